@@ -1,0 +1,338 @@
+#include <torchdp/comm.h>
+#include <torchdp/config.h>
+#include <torchdp/devices.h>
+#if TORCHDP_WITH_NCCL
+#include <torchdp/nccl/nccl_comm.h>
+#endif
+
+#include <ATen/Functions.h>
+#include <ATen/WrapDimUtils.h>
+#include <c10/core/GradMode.h>
+#include <c10/util/Exception.h>
+#include <c10/util/irange.h>
+
+#include <map>
+#include <numeric>
+
+namespace torchdp::comm {
+namespace {
+
+// Note [Coalesced buckets]
+// Dense tensors are packed, in their order, into flat one-dimensional buckets of one dtype and at
+// most `buffer_size` bytes (a tensor larger than that gets a bucket of its own). A bucket moves with
+// one copy (or one NCCL call) per device instead of one per tensor; the outputs are views into the
+// flat copy, each re-wrapped with variable_data() so that it has its own version counter, as
+// torch.cuda.comm does (NOTE [Version Counter in comm.*_coalesced] there).
+struct Bucket {
+  std::vector<size_t> indices;
+  size_t bytes = 0;
+};
+
+bool is_plain_dense(const at::Tensor& t) {
+  return t.layout() == c10::kStrided;
+}
+
+std::vector<Bucket> make_buckets(const std::vector<at::Tensor>& tensors, size_t buffer_size,
+                                 std::vector<size_t>& singles) {
+  std::vector<Bucket> done;
+  std::map<at::ScalarType, Bucket> open;
+  for (const auto i : c10::irange(tensors.size())) {
+    const auto& t = tensors[i];
+    if (!is_plain_dense(t)) {
+      singles.push_back(i);
+      continue;
+    }
+    const size_t bytes = static_cast<size_t>(t.numel()) * t.element_size();
+    auto& bucket = open[t.scalar_type()];
+    if (!bucket.indices.empty() && bucket.bytes + bytes > buffer_size) {
+      done.push_back(std::move(bucket));
+      bucket = Bucket{};
+    }
+    bucket.indices.push_back(i);
+    bucket.bytes += bytes;
+  }
+  for (auto& entry : open) {
+    if (!entry.second.indices.empty()) {
+      done.push_back(std::move(entry.second));
+    }
+  }
+  return done;
+}
+
+// One flat contiguous copy of the bucket's tensors. `fresh` tells whether the result owns new
+// storage (false when it is a view of the only input, which must then not be written).
+at::Tensor flatten(const std::vector<at::Tensor>& tensors, const Bucket& bucket, bool& fresh) {
+  if (bucket.indices.size() == 1) {
+    const auto& t = tensors[bucket.indices[0]];
+    fresh = !t.is_contiguous();
+    return t.contiguous().view({-1});
+  }
+  std::vector<at::Tensor> flat_parts;
+  flat_parts.reserve(bucket.indices.size());
+  for (auto i : bucket.indices) {
+    flat_parts.push_back(tensors[i].reshape({-1}));
+  }
+  fresh = true;
+  return at::cat(flat_parts, 0);
+}
+
+void unflatten_into(const at::Tensor& flat, const std::vector<at::Tensor>& like,
+                    const Bucket& bucket, std::vector<at::Tensor>& out) {
+  int64_t offset = 0;
+  for (auto i : bucket.indices) {
+    const auto n = like[i].numel();
+    out[i] = flat.narrow(0, offset, n).view(like[i].sizes()).variable_data();
+    offset += n;
+  }
+}
+
+// Copies into CUDA memory are queued on the destination's current stream; a copy into host memory
+// must be complete when it returns, since the caller reads it on the CPU.
+bool non_blocking_to(c10::Device device) {
+  return device.is_cuda();
+}
+
+at::Tensor copy_to(const at::Tensor& t, c10::Device device) {
+  return t.to(t.options().device(device), non_blocking_to(device), /*copy=*/true);
+}
+
+at::Tensor move_to(const at::Tensor& t, c10::Device device) {
+  return t.to(device, non_blocking_to(device));
+}
+
+void check_same_device(at::TensorList tensors, c10::Device expected, const char* api,
+                       const char* what) {
+  for (const auto i : c10::irange(tensors.size())) {
+    TORCH_CHECK(tensors[i].defined(), api, ": ", what, " ", i, " is an undefined tensor");
+    TORCH_CHECK(detail::canonical(tensors[i].device()) == expected, api, ": ", what, " ", i,
+                " is on ", tensors[i].device(), " but all tensors must be on ", expected,
+                " (devices[0]); move them there first");
+  }
+}
+
+} // namespace
+
+std::vector<std::vector<at::Tensor>> broadcast_coalesced(at::TensorList tensors,
+                                                         const std::vector<c10::Device>& devices_in,
+                                                         size_t buffer_size) {
+  constexpr const char* api = "torchdp::comm::broadcast_coalesced";
+  const auto devices = normalize_devices(devices_in, api);
+  TORCH_CHECK(buffer_size > 0, api, ": buffer_size must be positive, got ", buffer_size);
+  check_same_device(tensors, devices[0], api, "tensor");
+  at::NoGradGuard no_grad;
+
+  const std::vector<at::Tensor> inputs(tensors.begin(), tensors.end());
+  std::vector<std::vector<at::Tensor>> outputs(devices.size());
+  outputs[0] = inputs;
+  if (devices.size() == 1) {
+    return outputs;
+  }
+  for (size_t j = 1; j < devices.size(); ++j) {
+    outputs[j].resize(inputs.size());
+  }
+
+  std::vector<size_t> singles;
+  const auto buckets = make_buckets(inputs, buffer_size, singles);
+#if TORCHDP_WITH_NCCL
+  const bool use_nccl = nccl::usable(devices);
+#endif
+  for (const auto& bucket : buckets) {
+    bool fresh = false;
+    const auto flat = flatten(inputs, bucket, fresh);
+#if TORCHDP_WITH_NCCL
+    if (use_nccl) {
+      std::vector<at::Tensor> buffers(devices.size());
+      buffers[0] = flat;
+      for (size_t j = 1; j < devices.size(); ++j) {
+        buffers[j] = at::empty({flat.numel()}, flat.options().device(devices[j]));
+      }
+      nccl::broadcast(buffers, devices);
+      for (size_t j = 1; j < devices.size(); ++j) {
+        unflatten_into(buffers[j], inputs, bucket, outputs[j]);
+      }
+      continue;
+    }
+#endif
+    for (size_t j = 1; j < devices.size(); ++j) {
+      unflatten_into(copy_to(flat, devices[j]), inputs, bucket, outputs[j]);
+    }
+  }
+  for (auto i : singles) {
+    for (size_t j = 1; j < devices.size(); ++j) {
+      outputs[j][i] = copy_to(inputs[i], devices[j]);
+    }
+  }
+  return outputs;
+}
+
+std::vector<at::Tensor> reduce_add_coalesced(const std::vector<std::vector<at::Tensor>>& per_device,
+                                             c10::Device destination_in, size_t buffer_size) {
+  constexpr const char* api = "torchdp::comm::reduce_add_coalesced";
+  TORCH_CHECK(!per_device.empty(), api, ": expected at least one list of tensors, got none");
+  TORCH_CHECK(buffer_size > 0, api, ": buffer_size must be positive, got ", buffer_size);
+  const auto destination = normalize_device(destination_in, api);
+  const auto& first = per_device[0];
+  const size_t count = first.size();
+  std::vector<c10::Device> devices;
+  devices.reserve(per_device.size());
+  for (const auto j : c10::irange(per_device.size())) {
+    const auto& list = per_device[j];
+    TORCH_CHECK(list.size() == count, api, ": every device must hold the same number of tensors, "
+                "but list 0 has ", count, " and list ", j, " has ", list.size());
+    const auto device =
+        count ? detail::canonical(list[0].device()) : c10::Device(c10::kCPU);
+    for (const auto k : c10::irange(count)) {
+      TORCH_CHECK(list[k].defined(), api, ": tensor ", k, " of list ", j, " is undefined");
+      TORCH_CHECK(list[k].sizes() == first[k].sizes(), api, ": input ", k, " of list ", j,
+                  " has invalid size: got ", list[k].sizes(), ", but expected ", first[k].sizes());
+      TORCH_CHECK(list[k].scalar_type() == first[k].scalar_type(), api, ": input ", k,
+                  " of list ", j, " has dtype ", list[k].scalar_type(), ", but expected ",
+                  first[k].scalar_type());
+      TORCH_CHECK(detail::canonical(list[k].device()) == device, api, ": list ", j,
+                  " mixes devices (", device, " and ", list[k].device(),
+                  "); each list must live on one device");
+    }
+    devices.push_back(device);
+  }
+  at::NoGradGuard no_grad;
+  std::vector<at::Tensor> result(count);
+
+  std::vector<size_t> singles;
+  const auto buckets = make_buckets(first, buffer_size, singles);
+#if TORCHDP_WITH_NCCL
+  size_t root = devices.size();
+  for (const auto j : c10::irange(devices.size())) {
+    if (devices[j] == destination) {
+      root = j;
+      break;
+    }
+  }
+  const bool nccl_devices = root < devices.size() && nccl::usable(devices);
+#endif
+  for (const auto& bucket : buckets) {
+    std::vector<at::Tensor> flats;
+    flats.reserve(per_device.size());
+    bool first_fresh = false;
+    for (const auto j : c10::irange(per_device.size())) {
+      bool fresh = false;
+      flats.push_back(flatten(per_device[j], bucket, fresh));
+      if (j == 0) {
+        first_fresh = fresh;
+      }
+    }
+    at::Tensor sum;
+#if TORCHDP_WITH_NCCL
+    if (nccl_devices && nccl::reduce_supports(flats[0].scalar_type())) {
+      sum = at::empty_like(flats[root]);
+      nccl::reduce(flats, sum, root, devices);
+      unflatten_into(sum, first, bucket, result);
+      continue;
+    }
+#endif
+    if (first_fresh && devices[0] == destination) {
+      sum = flats[0];
+    } else {
+      sum = copy_to(flats[0], destination);
+    }
+    for (size_t j = 1; j < flats.size(); ++j) {
+      sum.add_(move_to(flats[j], destination));
+    }
+    unflatten_into(sum, first, bucket, result);
+  }
+  for (auto k : singles) {
+    at::Tensor sum = copy_to(first[k], destination);
+    for (size_t j = 1; j < per_device.size(); ++j) {
+      sum = sum.add(move_to(per_device[j][k], destination));
+    }
+    result[k] = sum;
+  }
+  return result;
+}
+
+std::vector<at::Tensor> scatter(const at::Tensor& tensor,
+                                const std::vector<c10::Device>& devices_in,
+                                const std::optional<std::vector<int64_t>>& chunk_sizes,
+                                int64_t dim) {
+  constexpr const char* api = "torchdp::comm::scatter";
+  TORCH_CHECK(!devices_in.empty(), api,
+              ": expected at least one device to scatter to, got an empty device list");
+  const auto devices = normalize_devices(devices_in, api);
+  TORCH_CHECK(tensor.defined(), api, ": the input tensor is undefined");
+  TORCH_CHECK(tensor.dim() > 0, api,
+              ": cannot scatter a 0-dim tensor (a scalar has no dimension to split); give it a "
+              "batch dimension, e.g. tensor.unsqueeze(0)");
+  const int64_t wrapped = c10::maybe_wrap_dim(dim, tensor.dim());
+  at::NoGradGuard no_grad;
+  std::vector<at::Tensor> chunks;
+  if (chunk_sizes) {
+    TORCH_CHECK(chunk_sizes->size() == devices.size(), api,
+                ": expected devices and chunk_sizes to be of same length, but got ",
+                devices.size(), " devices and ", chunk_sizes->size(), " chunk sizes");
+    int64_t total = 0;
+    for (const auto i : c10::irange(chunk_sizes->size())) {
+      TORCH_CHECK((*chunk_sizes)[i] >= 0, api, ": chunk size ", i, " is negative (",
+                  (*chunk_sizes)[i], ")");
+      total += (*chunk_sizes)[i];
+    }
+    TORCH_CHECK(total == tensor.size(wrapped), api, ": chunk sizes ", c10::IntArrayRef(*chunk_sizes),
+                " add up to ", total, " but dimension ", wrapped, " of the input has size ",
+                tensor.size(wrapped));
+    chunks = tensor.split_with_sizes(*chunk_sizes, wrapped);
+  } else {
+    chunks = tensor.chunk(static_cast<int64_t>(devices.size()), wrapped);
+  }
+  for (const auto i : c10::irange(chunks.size())) {
+    if (detail::canonical(chunks[i].device()) != devices[i]) {
+      chunks[i] = move_to(chunks[i], devices[i]);
+    }
+  }
+  return chunks;
+}
+
+at::Tensor gather(at::TensorList tensors, c10::Device destination_in, int64_t dim) {
+  constexpr const char* api = "torchdp::comm::gather";
+  TORCH_CHECK(!tensors.empty(), api, ": expected at least one tensor to gather from, got none");
+  const auto destination = normalize_device(destination_in, api);
+  const auto& first = tensors[0];
+  TORCH_CHECK(first.defined(), api, ": tensor 0 is undefined");
+  TORCH_CHECK(first.dim() > 0, api, ": cannot gather 0-dim tensors along dimension ", dim,
+              "; give them a dimension first (autograd gather does this for dim 0)");
+  const int64_t wrapped = c10::maybe_wrap_dim(dim, first.dim());
+  auto sizes = first.sizes().vec();
+  int64_t total = 0;
+  bool same_format = true;
+  const auto format = first.suggest_memory_format();
+  for (const auto i : c10::irange(tensors.size())) {
+    const auto& t = tensors[i];
+    TORCH_CHECK(t.defined(), api, ": tensor ", i, " is undefined");
+    TORCH_CHECK(t.scalar_type() == first.scalar_type(), api, ": tensor ", i, " has dtype ",
+                t.scalar_type(), " but tensor 0 has ", first.scalar_type());
+    bool ok = t.dim() == first.dim();
+    for (int64_t d = 0; ok && d < first.dim(); ++d) {
+      ok = d == wrapped || t.size(d) == first.size(d);
+    }
+    if (!ok) {
+      auto expected = first.sizes().vec();
+      if (t.dim() == first.dim()) {
+        expected[wrapped] = t.size(wrapped);
+      }
+      TORCH_CHECK(false, api, ": input tensor at index ", i, " has invalid shape ", t.sizes(),
+                  ", but expected ", c10::IntArrayRef(expected),
+                  " (all dimensions but dim=", wrapped, " must match)");
+    }
+    total += t.size(wrapped);
+    same_format = same_format && t.suggest_memory_format() == format;
+  }
+  sizes[wrapped] = total;
+  at::NoGradGuard no_grad;
+  auto out = at::empty(sizes, first.options().device(destination),
+                       same_format ? format : c10::MemoryFormat::Contiguous);
+  int64_t offset = 0;
+  for (const auto& t : tensors) {
+    out.narrow(wrapped, offset, t.size(wrapped)).copy_(t, non_blocking_to(destination));
+    offset += t.size(wrapped);
+  }
+  return out;
+}
+
+} // namespace torchdp::comm

@@ -1,0 +1,146 @@
+#include <torchdp/data_parallel.h>
+
+#include <c10/core/GradMode.h>
+#include <c10/util/Exception.h>
+#include <c10/util/irange.h>
+
+#include <algorithm>
+
+namespace torchdp {
+namespace {
+
+constexpr const char* kApi = "torchdp::DataParallel";
+
+// The qualified name and device of the first registered tensor that is not on `device`.
+bool find_misplaced(const torch::nn::Module& m, const std::string& path, c10::Device device,
+                    std::string& name, c10::Device& found, std::string& kind) {
+  auto visit = [&](const std::string& key, const at::Tensor& t, const char* what) {
+    if (t.defined() && detail::canonical(t.device()) != device) {
+      name = path.empty() ? key : path + "." + key;
+      found = t.device();
+      kind = what;
+      return true;
+    }
+    return false;
+  };
+  for (const auto& p : m.named_parameters(/*recurse=*/false)) {
+    if (visit(p.key(), p.value(), "parameter")) {
+      return true;
+    }
+  }
+  for (const auto& b : m.named_buffers(/*recurse=*/false)) {
+    if (visit(b.key(), b.value(), "buffer")) {
+      return true;
+    }
+  }
+  for (const auto& c : m.named_children()) {
+    if (find_misplaced(*c.value(), path.empty() ? c.key() : path + "." + c.key(), device, name,
+                       found, kind)) {
+      return true;
+    }
+  }
+  return false;
+}
+
+} // namespace
+
+void DataParallelImpl::init(std::shared_ptr<torch::nn::Module> module, Wrap wrap) {
+  TORCH_CHECK(module != nullptr, kApi, ": the module to wrap is null");
+  module_ = module;
+  wrap_ = std::move(wrap);
+  any_ = wrap_(module_);
+  register_module("module", module_);
+  replicator_ = std::make_unique<Replicator>(module_);
+  if (options.device_ids()) {
+    TORCH_CHECK(!options.device_ids()->empty(), kApi,
+                ": device_ids is an empty list; pass the devices to use, or leave device_ids unset "
+                "to use every visible CUDA device");
+    device_ids_ = normalize_devices(*options.device_ids(), kApi);
+  } else if (cuda_device_count() > 0) {
+    device_ids_ = default_devices(kApi);
+  }
+  if (options.output_device()) {
+    TORCH_CHECK(!device_ids_.empty(), kApi, ": output_device ", *options.output_device(),
+                " was given but no device is in use (no CUDA device is visible and device_ids is "
+                "unset); pass device_ids too");
+    output_device_ = normalize_device(*options.output_device(), kApi);
+  } else if (!device_ids_.empty()) {
+    output_device_ = device_ids_.front();
+  }
+}
+
+void DataParallelImpl::ensure_placement() {
+  const auto target = device_ids_.front();
+  bool misplaced = false;
+  for (const auto& t : module_->parameters()) {
+    misplaced = misplaced || (t.defined() && detail::canonical(t.device()) != target);
+  }
+  for (const auto& t : module_->buffers()) {
+    misplaced = misplaced || (t.defined() && detail::canonical(t.device()) != target);
+  }
+  if (!misplaced) {
+    return;
+  }
+  if (options.place_module()) {
+    module_->to(target);
+    return;
+  }
+  std::string name;
+  std::string kind;
+  c10::Device found(c10::kCPU);
+  find_misplaced(*module_, "", target, name, found, kind);
+  TORCH_CHECK(false, kApi, ": module must have its parameters and buffers on device ", target,
+              " (device_ids[0]) but found one of them on device: ", found, " (", kind, " '", name,
+              "'). Move the module there before the forward, e.g. module->to(torch::Device(\"",
+              target, "\")), or construct DataParallel with "
+              "DataParallelOptions().place_module(true) to let it move the module itself");
+}
+
+at::Tensor DataParallelImpl::run(std::vector<at::Tensor> inputs, const Call& call) {
+  for (const auto i : c10::irange(inputs.size())) {
+    TORCH_CHECK(inputs[i].defined(), kApi, ": forward argument ", i, " is an undefined tensor");
+  }
+  if (device_ids_.empty()) {
+    return call(any_, inputs);
+  }
+  ensure_placement();
+  const auto dim = options.dim();
+  if (device_ids_.size() == 1) {
+    for (auto& x : inputs) {
+      x = x.to(device_ids_.front());
+    }
+    return call(any_, inputs).to(*output_device_);
+  }
+  std::vector<std::vector<at::Tensor>> chunks(inputs.size());
+  size_t n = device_ids_.size();
+  for (const auto k : c10::irange(inputs.size())) {
+    TORCH_CHECK(inputs[k].dim() > 0, kApi, ": forward argument ", k,
+                " is a 0-dim tensor, which cannot be split along dim ", dim,
+                "; give it a batch dimension");
+    chunks[k] = autograd::scatter(inputs[k], device_ids_, std::nullopt, dim);
+    n = std::min(n, chunks[k].size());
+  }
+  const std::vector<c10::Device> used(device_ids_.begin(), device_ids_.begin() + n);
+  auto replicas = replicator_->replicate(used, /*detach=*/!c10::GradMode::is_enabled());
+  std::vector<at::Tensor> outputs(n);
+  parallel_run(n, used, [&](size_t i) {
+    auto replica = wrap_(replicas[i]);
+    std::vector<at::Tensor> args;
+    args.reserve(chunks.size());
+    for (auto& c : chunks) {
+      args.push_back(c[i]);
+    }
+    outputs[i] = call(replica, args);
+  });
+  return autograd::gather(outputs, *output_device_, dim);
+}
+
+void DataParallelImpl::pretty_print(std::ostream& stream) const {
+  stream << "torchdp::DataParallel(device_ids=" << devices_to_string(device_ids_);
+  if (output_device_) {
+    stream << ", output_device=" << *output_device_;
+  }
+  stream << ", dim=" << options.dim() << ")";
+}
+
+} // namespace torchdp

@@ -1,0 +1,161 @@
+#pragma once
+
+#include <torchdp/autograd.h>
+#include <torchdp/devices.h>
+#include <torchdp/parallel_apply.h>
+#include <torchdp/replicate.h>
+
+#include <c10/core/Device.h>
+#include <torch/arg.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/any.h>
+#include <torch/nn/pimpl.h>
+
+#include <functional>
+#include <memory>
+#include <optional>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace torchdp {
+
+/// Options of torchdp::DataParallel.
+struct DataParallelOptions {
+  /// The devices to run on. Default: every visible CUDA device; with none, DataParallel calls the
+  /// wrapped module directly (as torch.nn.DataParallel does without an accelerator). CPU and meta
+  /// device lists run the full machinery (a device may repeat: {kCPU, kCPU} gives two replicas).
+  TORCH_ARG(std::optional<std::vector<c10::Device>>, device_ids) = std::nullopt;
+  /// Where the gathered output goes. Default: device_ids[0].
+  TORCH_ARG(std::optional<c10::Device>, output_device) = std::nullopt;
+  /// The dimension inputs are split along and outputs joined along.
+  TORCH_ARG(int64_t, dim) = 0;
+  /// When the module is not on device_ids[0] at a forward, move it there (module->to(device))
+  /// instead of raising an error.
+  TORCH_ARG(bool, place_module) = false;
+};
+
+/// Data parallelism over the devices of one process, as a module: every forward splits its tensor
+/// arguments along `dim` over the devices, runs one replica of the wrapped module per chunk in
+/// parallel, and joins the outputs on `output_device`. Gradients of all replicas are summed into
+/// the wrapped module's parameters. Replicas are cached and refreshed, not rebuilt, between forwards
+/// (see Note [Replicating Modules]); the wrapped module and its submodules must be Cloneable.
+///
+/// The wrapped module is registered as the child "module", so parameters(), to(), train() and
+/// serialization go through it, and its parameters and buffers must be on device_ids[0] at each
+/// forward (or set place_module). With a single device, the module runs directly (no replication)
+/// and the output is moved to output_device.
+///
+/// Example::
+///
+///   torchdp::DataParallel model(Net(), torchdp::DataParallelOptions().device_ids(
+///       std::vector<torch::Device>{torch::kCUDA, torch::Device("cuda:1")}));
+///   auto loss = model->forward(x).pow(2).mean();
+///   loss.backward();
+class DataParallelImpl : public torch::nn::Module {
+ public:
+  /// Wraps `module` (a holder such as `torch::nn::Linear` or a `std::shared_ptr<Impl>`).
+  template <typename ModuleType>
+  explicit DataParallelImpl(ModuleType module, DataParallelOptions options = {})
+      : options(std::move(options)) {
+    using Impl = typename std::decay_t<decltype(*module)>;
+    std::shared_ptr<Impl> ptr = as_shared(module);
+    init(ptr, [](const std::shared_ptr<torch::nn::Module>& m) {
+      return torch::nn::AnyModule(std::static_pointer_cast<Impl>(m));
+    });
+  }
+
+  /// Runs the data-parallel forward over one or more tensor arguments; returns the gathered output.
+  template <typename... Tensors>
+  at::Tensor forward(const Tensors&... inputs) {
+    static_assert(sizeof...(Tensors) > 0, "torchdp::DataParallel::forward needs at least one tensor");
+    static_assert((std::is_convertible_v<Tensors, at::Tensor> && ...),
+                  "torchdp::DataParallel::forward takes tensor arguments only");
+    return run({at::Tensor(inputs)...},
+               [](torch::nn::AnyModule& m, std::vector<at::Tensor>& args) {
+                 return call(m, args, std::index_sequence_for<Tensors...>{});
+               });
+  }
+
+  /// The devices in use (empty when DataParallel passes through to the module).
+  const std::vector<c10::Device>& device_ids() const {
+    return device_ids_;
+  }
+  /// Where outputs are gathered (nullopt when passing through).
+  std::optional<c10::Device> output_device() const {
+    return output_device_;
+  }
+  int64_t dim() const {
+    return options.dim();
+  }
+  /// The wrapped module.
+  const std::shared_ptr<torch::nn::Module>& module() const {
+    return module_;
+  }
+  /// The replica cache (skeleton_builds(), invalidate()).
+  Replicator& replicator() {
+    return *replicator_;
+  }
+
+  void pretty_print(std::ostream& stream) const override;
+
+  DataParallelOptions options;
+
+ private:
+  using Call = std::function<at::Tensor(torch::nn::AnyModule&, std::vector<at::Tensor>&)>;
+  using Wrap = std::function<torch::nn::AnyModule(const std::shared_ptr<torch::nn::Module>&)>;
+
+  template <typename T>
+  static std::shared_ptr<T> as_shared(const std::shared_ptr<T>& p) {
+    return p;
+  }
+  template <typename T>
+  static std::shared_ptr<T> as_shared(const torch::nn::ModuleHolder<T>& h) {
+    return h.ptr();
+  }
+  template <size_t... I>
+  static at::Tensor call(torch::nn::AnyModule& m, std::vector<at::Tensor>& args,
+                         std::index_sequence<I...>) {
+    return m.forward(args[I]...);
+  }
+
+  void init(std::shared_ptr<torch::nn::Module> module, Wrap wrap);
+  void ensure_placement();
+  at::Tensor run(std::vector<at::Tensor> inputs, const Call& call);
+
+  std::shared_ptr<torch::nn::Module> module_;
+  torch::nn::AnyModule any_;
+  Wrap wrap_;
+  std::unique_ptr<Replicator> replicator_;
+  std::vector<c10::Device> device_ids_;
+  std::optional<c10::Device> output_device_;
+};
+
+/// A `ModuleHolder` for DataParallelImpl (see its documentation).
+TORCH_MODULE(DataParallel);
+
+/// Drop-in for torch::nn::parallel::data_parallel, with the same signature and results: splits
+/// `input` along `dim` over `devices` (default: all CUDA devices), runs a replica of `module` per
+/// chunk in parallel and gathers the outputs on `output_device` (default: devices[0]). With one
+/// device, the module is moved there and called directly. Unlike LibTorch's version, replicas are
+/// cached and refreshed instead of deep-cloned on every call, and gradients are reduced coalesced.
+template <typename ModuleType>
+at::Tensor data_parallel(ModuleType module, at::Tensor input,
+                         std::optional<std::vector<c10::Device>> devices = std::nullopt,
+                         std::optional<c10::Device> output_device = std::nullopt,
+                         int64_t dim = 0) {
+  constexpr const char* api = "torchdp::data_parallel";
+  auto used = devices ? normalize_devices(*devices, api) : default_devices(api);
+  const auto out_device = output_device ? normalize_device(*output_device, api) : used.front();
+  if (used.size() == 1) {
+    module->to(used.front());
+    return module->forward(input.to(used.front())).to(out_device);
+  }
+  auto chunks = autograd::scatter(input, used, std::nullopt, dim);
+  used.resize(chunks.size(), used.front());
+  auto replicas = replicate(module, used);
+  auto outputs = parallel_apply(replicas, chunks, used);
+  return autograd::gather(outputs, out_device, dim);
+}
+
+} // namespace torchdp

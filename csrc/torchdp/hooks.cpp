@@ -1,0 +1,157 @@
+#include <torchdp/devices.h>
+#include <torchdp/hooks.h>
+
+#include <c10/util/Exception.h>
+
+#include <atomic>
+#include <mutex>
+#include <unordered_map>
+
+namespace torchdp {
+namespace detail {
+namespace {
+
+struct InstanceKey {
+  std::weak_ptr<torch::nn::Module> module;
+};
+
+struct Registry {
+  std::mutex mutex;
+  uint64_t next_id = 1;
+  // Ordered by id, i.e. by registration order.
+  std::map<uint64_t, std::shared_ptr<const HookEntry>> hooks;
+  std::atomic<size_t> count{0};
+};
+
+Registry& registry() {
+  // Leaked on purpose: hooks may be removed from static destructors of other translation units.
+  static auto* r = new Registry();
+  return *r;
+}
+
+PostReplicateHookHandle add(std::string description_suffix,
+                            std::function<bool(const torch::nn::Module&)> matches,
+                            PostReplicateHook fn) {
+  TORCH_CHECK(static_cast<bool>(fn), "torchdp::register_post_replicate_hook: the hook is empty; ",
+              "pass a callable");
+  auto& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  const auto id = r.next_id++;
+  auto entry = std::make_shared<HookEntry>();
+  entry->id = id;
+  entry->description = "post-replicate hook #" + std::to_string(id) + " (" + description_suffix + ")";
+  entry->matches = std::move(matches);
+  entry->fn = std::move(fn);
+  r.hooks.emplace(id, std::move(entry));
+  r.count = r.hooks.size();
+  return PostReplicateHookHandle(id);
+}
+
+} // namespace
+
+PostReplicateHookHandle register_type_hook(std::string type_name,
+                                           std::function<bool(const torch::nn::Module&)> matches,
+                                           PostReplicateHook fn) {
+  return add("for type " + type_name, std::move(matches), std::move(fn));
+}
+
+PostReplicateHookHandle register_instance_hook(const std::shared_ptr<torch::nn::Module>& module,
+                                               PostReplicateHook fn) {
+  TORCH_CHECK(module != nullptr,
+              "torchdp::register_post_replicate_hook: the module instance is null");
+  std::weak_ptr<torch::nn::Module> weak = module;
+  const torch::nn::Module* raw = module.get();
+  return add("for instance of " + module->name(),
+             [weak, raw](const torch::nn::Module& m) {
+               // The pointer test is cheap; the weak_ptr guards against a new module that reuses
+               // the address of a destroyed one.
+               if (&m != raw) {
+                 return false;
+               }
+               auto alive = weak.lock();
+               return alive.get() == raw;
+             },
+             std::move(fn));
+}
+
+std::vector<std::shared_ptr<const HookEntry>> hooks_for(const torch::nn::Module& original) {
+  auto& r = registry();
+  std::vector<std::shared_ptr<const HookEntry>> entries;
+  {
+    std::lock_guard<std::mutex> lock(r.mutex);
+    entries.reserve(r.hooks.size());
+    for (const auto& kv : r.hooks) {
+      entries.push_back(kv.second);
+    }
+  }
+  std::vector<std::shared_ptr<const HookEntry>> matching;
+  for (auto& e : entries) {
+    if (e->matches(original)) {
+      matching.push_back(std::move(e));
+    }
+  }
+  return matching;
+}
+
+bool no_hooks_registered() {
+  return registry().count.load() == 0;
+}
+
+} // namespace detail
+
+void PostReplicateHookHandle::remove() {
+  if (id_ == 0) {
+    return;
+  }
+  auto& r = detail::registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  r.hooks.erase(id_);
+  r.count = r.hooks.size();
+}
+
+bool PostReplicateHookHandle::active() const {
+  if (id_ == 0) {
+    return false;
+  }
+  auto& r = detail::registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  return r.hooks.count(id_) != 0;
+}
+
+namespace {
+void check_module(const torch::nn::Module& module, const std::string& path, c10::Device device,
+                  int64_t replica_index, const char* api) {
+  auto check = [&](const std::string& name, const at::Tensor& t, const char* kind) {
+    if (!t.defined()) {
+      return;
+    }
+    if (detail::canonical(t.device()) == device) {
+      return;
+    }
+    const auto qualified = path.empty() ? name : path + "." + name;
+    TORCH_CHECK(false, api, ": replica ", replica_index, " must live on ", device, ", but its ",
+                kind, " '", qualified, "' (module ", path.empty() ? "<root>" : path, ", type ",
+                module.name(), ") is on ", t.device(),
+                ". A post-replicate hook (or the module's own code) put it there; register a hook "
+                "with torchdp::register_post_replicate_hook that places it on the replica's device "
+                "(the `device` argument), e.g. `t = t.to(device)`");
+  };
+  for (const auto& p : module.named_parameters(/*recurse=*/false)) {
+    check(p.key(), p.value(), "parameter");
+  }
+  for (const auto& b : module.named_buffers(/*recurse=*/false)) {
+    check(b.key(), b.value(), "buffer");
+  }
+  for (const auto& c : module.named_children()) {
+    check_module(*c.value(), path.empty() ? c.key() : path + "." + c.key(), device, replica_index,
+                 api);
+  }
+}
+} // namespace
+
+void check_replica_devices(const torch::nn::Module& replica, c10::Device device,
+                           int64_t replica_index, const char* api) {
+  check_module(replica, "", detail::canonical(device), replica_index, api);
+}
+
+} // namespace torchdp

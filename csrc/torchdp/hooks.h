@@ -1,0 +1,157 @@
+#pragma once
+
+#include <c10/core/Device.h>
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+#include <c10/util/Type.h>
+
+#include <any>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+namespace torchdp {
+
+/// State shared by every copy of one module position during one replicate call (the
+/// Synchronized-BatchNorm `ctx` convention): the master copy (replica 0) sees it first and can leave
+/// values there for the copies on the other devices.
+class ReplicaContext {
+ public:
+  ReplicaContext(std::string path, std::vector<c10::Device> devices)
+      : path_(std::move(path)), devices_(std::move(devices)) {}
+
+  /// Qualified name of the module position ("" for the root, "features.0" for a child).
+  const std::string& path() const {
+    return path_;
+  }
+  /// The replica devices of this call; index i is replica i's device.
+  const std::vector<c10::Device>& devices() const {
+    return devices_;
+  }
+  /// Named values shared between the copies, e.g. `ctx.values["master"] = ...`.
+  std::map<std::string, std::any> values;
+
+ private:
+  std::string path_;
+  std::vector<c10::Device> devices_;
+};
+
+/// A post-replicate hook: called once per replica of each matching module, after every replica
+/// exists, master copy (index 0) first, with the replica, the original module, the replica's device,
+/// the replica index and the context shared by the copies of that module.
+using PostReplicateHook =
+    std::function<void(torch::nn::Module& replica, const torch::nn::Module& original,
+                       c10::Device device, int64_t replica_index, ReplicaContext& ctx)>;
+
+/// Returned by register_post_replicate_hook; remove() unregisters the hook (idempotent). Dropping the
+/// handle does not remove the hook, as with torch.utils.hooks.RemovableHandle.
+class PostReplicateHookHandle {
+ public:
+  PostReplicateHookHandle() = default;
+  explicit PostReplicateHookHandle(uint64_t id) : id_(id) {}
+  /// Unregisters the hook. Calling it again does nothing.
+  void remove();
+  /// True while the hook is registered.
+  bool active() const;
+  uint64_t id() const {
+    return id_;
+  }
+
+ private:
+  uint64_t id_ = 0;
+};
+
+namespace detail {
+
+/// One registered hook.
+struct HookEntry {
+  uint64_t id;
+  std::string description; // e.g. "post-replicate hook #3 (type MaskedLinearImpl)"
+  std::function<bool(const torch::nn::Module&)> matches;
+  PostReplicateHook fn;
+};
+
+PostReplicateHookHandle register_type_hook(std::string type_name,
+                                           std::function<bool(const torch::nn::Module&)> matches,
+                                           PostReplicateHook fn);
+PostReplicateHookHandle register_instance_hook(const std::shared_ptr<torch::nn::Module>& module,
+                                               PostReplicateHook fn);
+
+/// The hooks that apply to `original`, in registration order.
+std::vector<std::shared_ptr<const HookEntry>> hooks_for(const torch::nn::Module& original);
+
+/// True when no hook is registered at all (lets replicate skip the per-module lookups).
+bool no_hooks_registered();
+
+template <typename T>
+struct contained {
+  using type = T;
+};
+template <typename T>
+struct contained<torch::nn::ModuleHolder<T>> {
+  using type = T;
+};
+
+template <typename ModuleType, typename Fn>
+PostReplicateHook typed(Fn fn) {
+  return [fn = std::move(fn)](torch::nn::Module& replica, const torch::nn::Module& original,
+                              c10::Device device, int64_t index, ReplicaContext& ctx) {
+    fn(dynamic_cast<ModuleType&>(replica), dynamic_cast<const ModuleType&>(original), device,
+       index, ctx);
+  };
+}
+
+} // namespace detail
+
+/// Registers `fn` for every module that is a `ModuleType` (the Impl class, e.g. `MaskedLinearImpl`,
+/// or its holder, e.g. `MaskedLinear`), subclasses included. `fn` is called as
+/// `fn(ModuleType& replica, const ModuleType& original, c10::Device device, int64_t replica_index,
+/// torchdp::ReplicaContext& ctx)`.
+///
+/// Example::
+///
+///   auto handle = torchdp::register_post_replicate_hook<MaskedLinearImpl>(
+///       [](MaskedLinearImpl& replica, const MaskedLinearImpl&, c10::Device device, int64_t,
+///          torchdp::ReplicaContext&) { replica.refresh_cache(); });
+///   ...
+///   handle.remove();
+template <typename ModuleType, typename Fn>
+PostReplicateHookHandle register_post_replicate_hook(Fn fn) {
+  using Impl = typename detail::contained<std::decay_t<ModuleType>>::type;
+  static_assert(std::is_base_of_v<torch::nn::Module, Impl>,
+                "register_post_replicate_hook<T>: T must be a torch::nn::Module subclass or holder");
+  return detail::register_type_hook(
+      c10::demangle(typeid(Impl).name()),
+      [](const torch::nn::Module& m) { return dynamic_cast<const Impl*>(&m) != nullptr; },
+      detail::typed<Impl>(std::move(fn)));
+}
+
+/// Registers `hook` for one module instance (its replicas only).
+inline PostReplicateHookHandle register_post_replicate_hook(
+    const std::shared_ptr<torch::nn::Module>& module, PostReplicateHook hook) {
+  return detail::register_instance_hook(module, std::move(hook));
+}
+
+/// Registers a typed hook for one module instance, given as a shared_ptr or a holder.
+template <typename ModuleType, typename Fn>
+PostReplicateHookHandle register_post_replicate_hook(const std::shared_ptr<ModuleType>& module,
+                                                     Fn fn) {
+  return detail::register_instance_hook(module, detail::typed<ModuleType>(std::move(fn)));
+}
+template <typename ModuleType, typename Fn>
+PostReplicateHookHandle register_post_replicate_hook(const torch::nn::ModuleHolder<ModuleType>& module,
+                                                     Fn fn) {
+  return detail::register_instance_hook(module.ptr(), detail::typed<ModuleType>(std::move(fn)));
+}
+
+/// The replica device check: every registered parameter and buffer of `replica` (recursively) must
+/// be on `device`. Raises a c10::Error naming the qualified tensor name, its device and the expected
+/// one, and how to fix it.
+void check_replica_devices(const torch::nn::Module& replica, c10::Device device,
+                           int64_t replica_index, const char* api);
+
+} // namespace torchdp

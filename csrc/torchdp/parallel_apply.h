@@ -1,0 +1,53 @@
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+#include <c10/util/Exception.h>
+
+#include <functional>
+#include <optional>
+#include <vector>
+
+namespace torchdp {
+
+/// Runs `fn(i)` for i in [0, n), each on its own worker with devices[i] as the current device and
+/// the caller's current stream of devices[i] as the current stream. Task 0 runs on the calling
+/// thread, the others on persistent per-slot worker threads (created once, reused by every call).
+/// The caller's thread-local state (grad mode, inference mode, autocast enabled flags and dtypes,
+/// autocast cache flag, profiler state) is carried into every worker.
+///
+/// When tasks throw, the exception of the lowest index is rethrown after all tasks finished, as a
+/// c10::Error of the same class when it is one (IndexError, ValueError, ...) and a c10::Error
+/// otherwise, with the message "Caught <type> in replica <i> on device <d>.\n<original message>".
+/// Called from inside a worker (nested data parallelism), the tasks run one after the other on the
+/// calling thread instead.
+void parallel_run(size_t n, const std::vector<c10::Device>& devices,
+                  const std::function<void(size_t)>& fn);
+
+/// Like torch::nn::parallel::parallel_apply: runs modules[i]->forward(inputs[i]) for every i in
+/// parallel (see parallel_run) and returns the outputs, output i moved to devices[i] (or to the
+/// device of inputs[i] when no device list is given).
+template <typename ModuleType>
+std::vector<at::Tensor> parallel_apply(
+    std::vector<ModuleType>& modules, const std::vector<at::Tensor>& inputs,
+    const std::optional<std::vector<c10::Device>>& devices = std::nullopt) {
+  TORCH_CHECK(modules.size() == inputs.size(), "torchdp::parallel_apply: got ", modules.size(),
+              " modules but ", inputs.size(), " inputs; pass one input per module");
+  if (devices) {
+    TORCH_CHECK(modules.size() == devices->size(), "torchdp::parallel_apply: got ",
+                modules.size(), " modules but ", devices->size(),
+                " devices; pass one device per module");
+  }
+  std::vector<c10::Device> where;
+  where.reserve(inputs.size());
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    where.push_back(devices ? (*devices)[i] : inputs[i].device());
+  }
+  std::vector<at::Tensor> outputs(modules.size());
+  parallel_run(modules.size(), where, [&](size_t i) {
+    outputs[i] = modules[i]->forward(inputs[i]).to(where[i]);
+  });
+  return outputs;
+}
+
+} // namespace torchdp

@@ -1,0 +1,431 @@
+#include <torchdp/autograd.h>
+#include <torchdp/comm.h>
+#include <torchdp/devices.h>
+#include <torchdp/replicate.h>
+
+#include <c10/core/GradMode.h>
+#include <c10/util/Exception.h>
+#include <c10/util/irange.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <mutex>
+#include <unordered_map>
+#include <unordered_set>
+
+namespace torchdp {
+namespace {
+
+constexpr const char* kApi = "torchdp::replicate";
+constexpr size_t kMaxCachedDeviceLists = 8;
+
+using torch::nn::Module;
+
+std::string join(const std::string& prefix, const std::string& name) {
+  return prefix.empty() ? name : prefix + "." + name;
+}
+
+std::string where(const std::string& path) {
+  return path.empty() ? std::string("<root>") : path;
+}
+
+std::string message_of(const std::exception& e) {
+  if (const auto* c10e = dynamic_cast<const c10::Error*>(&e)) {
+    return c10e->what_without_backtrace();
+  }
+  return e.what();
+}
+
+// One module position of the original, in pre-order (children in registration order).
+struct Position {
+  std::string path;
+  Module* original;
+  bool first; // first occurrence of this module object (shared submodules appear again later)
+};
+
+// One registered parameter or buffer of one position.
+struct SlotSpec {
+  size_t position;
+  std::string name;
+  bool is_param;
+};
+
+// What one walk over the original finds: its positions, registered tensors and a signature of its
+// structure and training flags (the cache key of the skeletons).
+struct Walk {
+  std::vector<Position> positions;
+  std::vector<SlotSpec> specs;
+  std::vector<at::Tensor> tensors; // aligned with specs; undefined where the module registered none
+  std::string signature;
+};
+
+void walk(Module& m, const std::string& path, Walk& w, std::unordered_set<const Module*>& seen) {
+  const size_t pos = w.positions.size();
+  w.positions.push_back(Position{path, &m, seen.insert(&m).second});
+  w.signature += path;
+  w.signature += '|';
+  w.signature += std::to_string(reinterpret_cast<uintptr_t>(&m));
+  w.signature += m.is_training() ? "T" : "E";
+  for (const auto& p : m.named_parameters(/*recurse=*/false)) {
+    w.specs.push_back(SlotSpec{pos, p.key(), true});
+    w.tensors.push_back(p.value());
+    w.signature += ";p:" + p.key() + (p.value().defined() ? "" : "!");
+  }
+  for (const auto& b : m.named_buffers(/*recurse=*/false)) {
+    w.specs.push_back(SlotSpec{pos, b.key(), false});
+    w.tensors.push_back(b.value());
+    w.signature += ";b:" + b.key() + (b.value().defined() ? "" : "!");
+  }
+  w.signature += '\n';
+  for (const auto& c : m.named_children()) {
+    walk(*c.value(), join(path, c.key()), w, seen);
+  }
+}
+
+// One skeleton per device, aligned with the original's positions and slots.
+struct ReplicaSet {
+  std::vector<c10::Device> devices;
+  std::string signature;
+  std::vector<std::shared_ptr<Module>> roots;
+  std::vector<std::vector<Module*>> modules; // [replica][position]
+  std::vector<std::vector<at::Tensor>> slots; // [replica][spec]: the replica's registered tensors
+};
+
+void align(const Module& original, Module& replica, const std::string& path,
+           std::vector<Module*>& out) {
+  out.push_back(&replica);
+  const auto replica_children = replica.named_children();
+  for (const auto& c : original.named_children()) {
+    const auto* found = replica_children.find(c.key());
+    TORCH_CHECK(found != nullptr, kApi, ": the clone() of module '", where(path), "' (type ",
+                original.name(), ") has no submodule '", c.key(),
+                "'; clone() must reproduce every registered submodule (register it in reset())");
+    align(*c.value(), **found, join(path, c.key()), out);
+  }
+}
+
+std::shared_ptr<Module> clone_skeleton(const Replicator::CloneFn& clone, const Module& original) {
+  try {
+    auto copy = clone();
+    TORCH_CHECK(copy != nullptr, "clone() returned null");
+    return copy;
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, kApi, ": cannot replicate module of type ", original.name(),
+                ": building a replica with clone() failed: ", message_of(e),
+                "\ntorchdp builds each replica once with clone(): derive the module and each of "
+                "its submodules from torch::nn::Cloneable<YourImpl> and implement reset(), which "
+                "must register every parameter, buffer and submodule");
+  }
+}
+
+void clear_leaf_requires_grad(at::Tensor& t) {
+  if (t.defined() && t.is_leaf() && t.requires_grad()) {
+    t.set_requires_grad(false);
+  }
+}
+
+ReplicaSet build(const Walk& w, const std::vector<c10::Device>& devices,
+                 const Replicator::CloneFn& clone, const Module& original) {
+  ReplicaSet set;
+  set.devices = devices;
+  set.signature = w.signature;
+  const size_t n = devices.size();
+  set.roots.reserve(n);
+  set.modules.resize(n);
+  set.slots.resize(n);
+  for (const auto j : c10::irange(n)) {
+    auto root = clone_skeleton(clone, original);
+    auto& modules = set.modules[j];
+    modules.reserve(w.positions.size());
+    align(original, *root, "", modules);
+    auto& slots = set.slots[j];
+    slots.resize(w.specs.size());
+    size_t s = 0;
+    while (s < w.specs.size()) {
+      const size_t pos = w.specs[s].position;
+      Module& rep = *modules[pos];
+      const auto params = rep.named_parameters(/*recurse=*/false);
+      const auto buffers = rep.named_buffers(/*recurse=*/false);
+      for (; s < w.specs.size() && w.specs[s].position == pos; ++s) {
+        const auto& spec = w.specs[s];
+        const auto* found = spec.is_param ? params.find(spec.name) : buffers.find(spec.name);
+        TORCH_CHECK(found != nullptr, kApi, ": the clone() of module '",
+                    where(w.positions[pos].path), "' (type ", rep.name(), ") has no ",
+                    spec.is_param ? "parameter '" : "buffer '", spec.name,
+                    "'; clone() must reproduce every registered tensor (register it in reset())");
+        TORCH_CHECK(found->defined() == w.tensors[s].defined(), kApi, ": the clone() of module '",
+                    where(w.positions[pos].path), "' registers ",
+                    spec.is_param ? "parameter '" : "buffer '", spec.name, "' as ",
+                    found->defined() ? "a tensor" : "undefined", " but the original has it ",
+                    w.tensors[s].defined() ? "defined" : "undefined");
+        slots[s] = *found;
+        clear_leaf_requires_grad(slots[s]);
+      }
+    }
+    // Training flags: pre-order, so each module ends with its own original's flag.
+    for (const auto p : c10::irange(w.positions.size())) {
+      modules[p]->train(w.positions[p].original->is_training());
+    }
+    set.roots.push_back(std::move(root));
+  }
+  return set;
+}
+
+// Note [Rebinding a replica tensor]
+// The replica's TensorImpl takes the value's storage, sizes, strides, dtype and device
+// (shallow_copy_from, what Tensor::set_data does minus its same-backend check, so a skeleton made on
+// the CPU can be rebound to a meta or CUDA copy), then the value's version counter, so in-place
+// updates of replica 0 are seen by autograd checks on the original, and finally the value's gradient
+// edge (none for detached copies).
+void rebind(at::Tensor& slot, const at::Tensor& value) {
+  TORCH_CHECK(value.layout() == c10::kStrided && slot.layout() == c10::kStrided, kApi,
+              ": only strided (dense) parameters and buffers can be replicated, got layout ",
+              value.layout());
+  if (auto* meta = torch::autograd::impl::get_autograd_meta(slot)) {
+    meta->grad_accumulator_.reset();
+  }
+  auto* impl = slot.unsafeGetTensorImpl();
+  impl->shallow_copy_from(value.getIntrusivePtr());
+  impl->set_version_counter(value.unsafeGetTensorImpl()->version_counter());
+  if (value.grad_fn()) {
+    torch::autograd::impl::set_gradient_edge(
+        slot, torch::autograd::Edge(value.grad_fn(), value.output_nr()));
+  } else if (slot.grad_fn()) {
+    torch::autograd::impl::set_gradient_edge(slot, torch::autograd::Edge());
+  }
+}
+
+} // namespace
+
+struct Replicator::State {
+  std::weak_ptr<Module> module;
+  Module* raw = nullptr;
+  CloneFn clone;
+  std::mutex mutex;
+  std::vector<ReplicaSet> sets; // most recently used last
+  int64_t builds = 0;
+  std::shared_ptr<Module> keep; // the module, for module()
+};
+
+Replicator::Replicator(std::shared_ptr<Module> module, CloneFn clone)
+    : state_(std::make_unique<State>()) {
+  TORCH_CHECK(module != nullptr, kApi, ": the module is null");
+  state_->module = module;
+  state_->raw = module.get();
+  if (clone) {
+    state_->clone = std::move(clone);
+  } else {
+    std::weak_ptr<Module> weak = module;
+    state_->clone = [weak]() {
+      auto m = weak.lock();
+      TORCH_CHECK(m != nullptr, "the module was destroyed");
+      return m->clone();
+    };
+  }
+}
+
+Replicator::~Replicator() = default;
+
+void Replicator::invalidate() {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  state_->sets.clear();
+}
+
+int64_t Replicator::skeleton_builds() const {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  return state_->builds;
+}
+
+const std::shared_ptr<Module>& Replicator::module() const {
+  state_->keep = state_->module.lock();
+  return state_->keep;
+}
+
+std::vector<std::shared_ptr<Module>> Replicator::replicate(
+    const std::vector<c10::Device>& devices_in, bool detach) {
+  const auto devices = normalize_devices(devices_in, kApi);
+  auto module = state_->module.lock();
+  TORCH_CHECK(module != nullptr, kApi, ": the module of this Replicator was destroyed");
+  std::lock_guard<std::mutex> lock(state_->mutex);
+
+  Walk w;
+  std::unordered_set<const Module*> seen;
+  walk(*module, "", w, seen);
+
+  // The source device: every registered tensor must be on one device.
+  std::optional<c10::Device> source;
+  size_t source_spec = 0;
+  std::vector<at::Tensor> unique;
+  std::vector<int64_t> unique_of(w.specs.size(), -1);
+  std::unordered_map<const c10::TensorImpl*, int64_t> index_of;
+  for (const auto s : c10::irange(w.specs.size())) {
+    const auto& t = w.tensors[s];
+    if (!t.defined()) {
+      continue;
+    }
+    const auto d = detail::canonical(t.device());
+    if (!source) {
+      source = d;
+      source_spec = s;
+    } else if (d != *source) {
+      const auto& a = w.specs[source_spec];
+      const auto& b = w.specs[s];
+      TORCH_CHECK(false, kApi, ": the module's tensors must all be on one device, but '",
+                  join(w.positions[a.position].path, a.name), "' is on ", *source, " and '",
+                  join(w.positions[b.position].path, b.name), "' is on ", t.device(),
+                  ". Move the whole module first, e.g. module->to(", devices[0], ")");
+    }
+    TORCH_CHECK(t.layout() == c10::kStrided, kApi, ": ", w.specs[s].is_param ? "parameter '" : "buffer '",
+                join(w.positions[w.specs[s].position].path, w.specs[s].name), "' has layout ",
+                t.layout(), "; only strided (dense) tensors can be replicated");
+    auto [it, inserted] = index_of.emplace(t.unsafeGetTensorImpl(), unique.size());
+    if (inserted) {
+      unique.push_back(t);
+    }
+    unique_of[s] = it->second;
+  }
+
+  // Find or build the skeletons for this device list.
+  ReplicaSet* set = nullptr;
+  for (auto it = state_->sets.begin(); it != state_->sets.end(); ++it) {
+    if (it->devices == devices) {
+      if (it->signature == w.signature) {
+        std::rotate(it, it + 1, state_->sets.end());
+        set = &state_->sets.back();
+      } else {
+        state_->sets.erase(it);
+      }
+      break;
+    }
+  }
+  const bool built = set == nullptr;
+  if (built) {
+    auto fresh = build(w, devices, state_->clone, *module);
+    ++state_->builds;
+    if (state_->sets.size() >= kMaxCachedDeviceLists) {
+      state_->sets.erase(state_->sets.begin());
+    }
+    state_->sets.push_back(std::move(fresh));
+    set = &state_->sets.back();
+  }
+
+  // Broadcast from the source; a source that is not devices[0] gets copied to every device.
+  const size_t n = devices.size();
+  size_t offset = 0;
+  std::vector<std::vector<at::Tensor>> copies;
+  if (!unique.empty()) {
+    std::vector<c10::Device> targets = devices;
+    if (*source != devices[0]) {
+      targets.insert(targets.begin(), *source);
+      offset = 1;
+    }
+    copies = detach ? comm::broadcast_coalesced(unique, targets)
+                    : autograd::broadcast_coalesced(unique, targets);
+  }
+
+  try {
+    for (const auto j : c10::irange(n)) {
+      auto& slots = set->slots[j];
+      for (const auto s : c10::irange(w.specs.size())) {
+        if (unique_of[s] >= 0) {
+          rebind(slots[s], copies[j + offset][unique_of[s]]);
+        }
+      }
+    }
+
+    // Post-replicate hooks: after every replica exists, replica 0 first; one context per module.
+    bool hooks_ran = false;
+    if (!detail::no_hooks_registered()) {
+      std::vector<std::vector<std::shared_ptr<const detail::HookEntry>>> hooks(w.positions.size());
+      std::vector<std::unique_ptr<ReplicaContext>> contexts(w.positions.size());
+      for (const auto p : c10::irange(w.positions.size())) {
+        if (w.positions[p].first) {
+          hooks[p] = detail::hooks_for(*w.positions[p].original);
+          if (!hooks[p].empty()) {
+            contexts[p] = std::make_unique<ReplicaContext>(w.positions[p].path, devices);
+          }
+        }
+      }
+      for (const auto j : c10::irange(n)) {
+        for (const auto p : c10::irange(w.positions.size())) {
+          for (const auto& hook : hooks[p]) {
+            hooks_ran = true;
+            try {
+              hook->fn(*set->modules[j][p], *w.positions[p].original, devices[j],
+                       static_cast<int64_t>(j), *contexts[p]);
+            } catch (const std::exception& e) {
+              TORCH_CHECK(false, kApi, ": ", hook->description, " failed on module '",
+                          where(w.positions[p].path), "' (type ",
+                          w.positions[p].original->name(), ") of replica ", j, " on device ",
+                          devices[j], ": ", message_of(e));
+            }
+          }
+        }
+      }
+    }
+
+    // The replica device check: a full walk when hooks ran or the skeletons are new (clone() may
+    // register tensors of its own); otherwise only the tensors rebound above can be registered.
+    for (const auto j : c10::irange(n)) {
+      if (hooks_ran || built) {
+        check_replica_devices(*set->roots[j], devices[j], static_cast<int64_t>(j), kApi);
+      } else {
+        for (const auto s : c10::irange(w.specs.size())) {
+          const auto& t = set->slots[j][s];
+          TORCH_CHECK(!t.defined() || detail::canonical(t.device()) == devices[j], kApi,
+                      ": replica ", j, " must live on ", devices[j], ", but '",
+                      join(w.positions[w.specs[s].position].path, w.specs[s].name), "' is on ",
+                      t.device());
+        }
+      }
+    }
+  } catch (...) {
+    // A half-refreshed or hook-modified skeleton is never reused.
+    for (auto it = state_->sets.begin(); it != state_->sets.end(); ++it) {
+      if (&*it == set) {
+        state_->sets.erase(it);
+        break;
+      }
+    }
+    throw;
+  }
+  return set->roots;
+}
+
+namespace {
+struct GlobalCache {
+  std::mutex mutex;
+  struct Entry {
+    std::weak_ptr<Module> module;
+    std::shared_ptr<Replicator> replicator;
+  };
+  std::unordered_map<const Module*, Entry> entries;
+};
+
+GlobalCache& global_cache() {
+  static auto* cache = new GlobalCache();
+  return *cache;
+}
+} // namespace
+
+std::vector<std::shared_ptr<Module>> replicate(const std::shared_ptr<Module>& module,
+                                               const std::vector<c10::Device>& devices,
+                                               bool detach) {
+  TORCH_CHECK(module != nullptr, kApi, ": the module is null");
+  std::shared_ptr<Replicator> replicator;
+  {
+    auto& cache = global_cache();
+    std::lock_guard<std::mutex> lock(cache.mutex);
+    for (auto it = cache.entries.begin(); it != cache.entries.end();) {
+      it = it->second.module.expired() ? cache.entries.erase(it) : std::next(it);
+    }
+    auto& entry = cache.entries[module.get()];
+    if (!entry.replicator || entry.module.lock() != module) {
+      entry.module = module;
+      entry.replicator = std::make_shared<Replicator>(module);
+    }
+    replicator = entry.replicator;
+  }
+  return replicator->replicate(devices, detach);
+}
+
+} // namespace torchdp

@@ -1,0 +1,94 @@
+#pragma once
+
+#include <torchdp/hooks.h>
+
+#include <c10/core/Device.h>
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+
+#include <functional>
+#include <memory>
+#include <vector>
+
+namespace torchdp {
+
+// Note [Replicating Modules]
+// LibTorch's torch::nn::parallel::replicate deep-clones the module for every device on every call:
+// clone() runs reset(), which re-initialises every parameter, and then copies the values over. That
+// is what makes its data_parallel ~10x slower than one GPU. torchdp instead keeps a *skeleton* per
+// replica, built once with clone(), and on every call only
+//   1. broadcasts the original's parameters and buffers to the devices (autograd::broadcast_coalesced,
+//      coalesced; buffers that do not require grad, and everything in detach mode, without history),
+//   2. rebinds each registered tensor of each replica *in place* to its device's copy: the replica's
+//      TensorImpl takes the copy's storage, metadata and version counter, and its gradient edge points
+//      at the broadcast node. Rebinding in place matters: a C++ module reads its tensors through
+//      member fields (LinearImpl::weight) that share the TensorImpl with the parameter registry.
+//   3. runs the post-replicate hooks (replica 0 first), then checks every replica tensor's device.
+// The replica on devices[0] shares storage and version counter with the original, so in-place buffer
+// updates there (BatchNorm running statistics) land in the original; gradients of all replicas are
+// reduce-added into the original parameters' .grad. Parameters and submodules shared inside the
+// original are broadcast once and stay shared. The skeleton is rebuilt when the module's structure
+// (submodules, parameter and buffer names) or any training flag changes. The original's tensors are
+// never written.
+
+/// Builds and refreshes the replicas of one module (see Note [Replicating Modules]).
+///
+/// The replicas returned by replicate() are the same objects from call to call, refreshed in place:
+/// they are valid until the next call. One Replicator serves one caller at a time.
+class Replicator {
+ public:
+  /// Makes one new skeleton copy of the module; defaults to `module->clone()`.
+  using CloneFn = std::function<std::shared_ptr<torch::nn::Module>()>;
+
+  explicit Replicator(std::shared_ptr<torch::nn::Module> module, CloneFn clone = nullptr);
+  ~Replicator();
+  Replicator(const Replicator&) = delete;
+  Replicator& operator=(const Replicator&) = delete;
+
+  /// One replica per device. With `detach`, replica tensors carry no autograd history.
+  std::vector<std::shared_ptr<torch::nn::Module>> replicate(const std::vector<c10::Device>& devices,
+                                                            bool detach = false);
+  /// Drops the cached skeletons: the next replicate() builds them anew.
+  void invalidate();
+  /// How many times skeletons were built (once per device list, plus once per invalidation).
+  int64_t skeleton_builds() const;
+  const std::shared_ptr<torch::nn::Module>& module() const;
+
+ private:
+  struct State;
+  std::unique_ptr<State> state_;
+};
+
+/// Replicas of `module`, one per device (see Note [Replicating Modules]). A module whose tensors are
+/// not on devices[0] is copied to every device (then no replica shares storage with it). The module
+/// and all its submodules must be Cloneable. Skeletons are cached per module and device list, so the
+/// replicas of the previous call of the same module are refreshed and returned again.
+std::vector<std::shared_ptr<torch::nn::Module>> replicate(
+    const std::shared_ptr<torch::nn::Module>& module, const std::vector<c10::Device>& devices,
+    bool detach = false);
+
+/// Typed form: the replicas as the module's own type.
+template <typename ModuleType,
+          typename = std::enable_if_t<!std::is_same_v<ModuleType, torch::nn::Module>>>
+std::vector<std::shared_ptr<ModuleType>> replicate(const std::shared_ptr<ModuleType>& module,
+                                                   const std::vector<c10::Device>& devices,
+                                                   bool detach = false) {
+  auto replicas = replicate(std::static_pointer_cast<torch::nn::Module>(module), devices, detach);
+  std::vector<std::shared_ptr<ModuleType>> typed;
+  typed.reserve(replicas.size());
+  for (auto& r : replicas) {
+    typed.push_back(std::dynamic_pointer_cast<ModuleType>(r));
+  }
+  return typed;
+}
+
+/// Holder form: `torchdp::replicate(torch::nn::Linear(3, 4), devices)`.
+template <typename ModuleType>
+std::vector<torch::nn::ModuleHolder<ModuleType>> replicate(
+    const torch::nn::ModuleHolder<ModuleType>& module, const std::vector<c10::Device>& devices,
+    bool detach = false) {
+  auto ptrs = replicate(module.ptr(), devices, detach);
+  return std::vector<torch::nn::ModuleHolder<ModuleType>>(ptrs.begin(), ptrs.end());
+}
+
+} // namespace torchdp

@@ -1,0 +1,13 @@
+#pragma once
+
+/// The whole public API of torchdp: data parallelism over the devices of one process for
+/// torch::nn::Module (see README.md).
+#include <torchdp/autograd.h>
+#include <torchdp/comm.h>
+#include <torchdp/config.h>
+#include <torchdp/data_parallel.h>
+#include <torchdp/devices.h>
+#include <torchdp/hooks.h>
+#include <torchdp/parallel_apply.h>
+#include <torchdp/replicate.h>
+#include <torchdp/structure.h>
