@@ -85,17 +85,12 @@ struct BroadcastBackward : Node {
   }
 
   variable_list apply(variable_list&& grads) override {
+    // Like a Python autograd.Function with materialized gradients: a slot that received nothing
+    // counts as zeros, so every input that needs a gradient gets one (zeros when unused).
     const size_t n = devices_.size();
     std::vector<size_t> wanted;
     for (const auto k : c10::irange(num_inputs_)) {
-      if (!should_compute_output(k)) {
-        continue;
-      }
-      bool any = false;
-      for (size_t j = 0; j < n && !any; ++j) {
-        any = grads[j * num_inputs_ + k].defined();
-      }
-      if (any) {
+      if (should_compute_output(k)) {
         wanted.push_back(k);
       }
     }
@@ -139,9 +134,13 @@ struct ReduceAddBackward : Node {
     std::vector<size_t> wanted;
     std::vector<at::Tensor> defined;
     for (const auto k : c10::irange(num_inputs_)) {
-      if (grads[k].defined()) {
+      bool needed = false;
+      for (size_t j = 0; j < n && !needed; ++j) {
+        needed = should_compute_output(j * num_inputs_ + k);
+      }
+      if (needed) {
         wanted.push_back(k);
-        defined.push_back(grads[k]);
+        defined.push_back(grad_or_zeros(*this, grads, k));
       }
     }
     if (wanted.empty()) {

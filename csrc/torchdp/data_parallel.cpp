@@ -82,7 +82,7 @@ void DataParallelImpl::ensure_placement() {
     return;
   }
   if (options.place_module()) {
-    module_->to(target);
+    detail::move_module(*module_, target);
     return;
   }
   std::string name;

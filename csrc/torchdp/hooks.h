@@ -87,17 +87,24 @@ std::vector<std::shared_ptr<const HookEntry>> hooks_for(const torch::nn::Module&
 /// True when no hook is registered at all (lets replicate skip the per-module lookups).
 bool no_hooks_registered();
 
-template <typename T>
+// The Impl class of a module type given as Impl or as a holder (TORCH_MODULE classes derive from
+// ModuleHolder<Impl>, which names it ContainedType).
+template <typename T, typename = void>
 struct contained {
   using type = T;
 };
 template <typename T>
-struct contained<torch::nn::ModuleHolder<T>> {
-  using type = T;
+struct contained<T, std::void_t<typename T::ContainedType>> {
+  using type = typename T::ContainedType;
 };
 
 template <typename ModuleType, typename Fn>
 PostReplicateHook typed(Fn fn) {
+  if constexpr (std::is_constructible_v<bool, const Fn&>) {
+    if (!static_cast<bool>(fn)) {
+      return {}; // an empty std::function or a null pointer: rejected at registration
+    }
+  }
   return [fn = std::move(fn)](torch::nn::Module& replica, const torch::nn::Module& original,
                               c10::Device device, int64_t index, ReplicaContext& ctx) {
     fn(dynamic_cast<ModuleType&>(replica), dynamic_cast<const ModuleType&>(original), device,

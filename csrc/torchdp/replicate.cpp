@@ -109,8 +109,13 @@ std::shared_ptr<Module> clone_skeleton(const Replicator::CloneFn& clone, const M
     TORCH_CHECK(copy != nullptr, "clone() returned null");
     return copy;
   } catch (const std::exception& e) {
+    const auto message = message_of(e);
+    const bool meta = message.find("incompatible tensor type") != std::string::npos;
     TORCH_CHECK(false, kApi, ": cannot replicate module of type ", original.name(),
-                ": building a replica with clone() failed: ", message_of(e),
+                ": building a replica with clone() failed: ", message,
+                meta ? "\nLibTorch's Cloneable::clone() cannot copy a module whose tensors live on "
+                       "the meta device; keep the module on cpu or cuda (replicas may live on meta)"
+                     : "",
                 "\ntorchdp builds each replica once with clone(): derive the module and each of "
                 "its submodules from torch::nn::Cloneable<YourImpl> and implement reset(), which "
                 "must register every parameter, buffer and submodule");
@@ -176,16 +181,19 @@ ReplicaSet build(const Walk& w, const std::vector<c10::Device>& devices,
 // the CPU can be rebound to a meta or CUDA copy), then the value's version counter, so in-place
 // updates of replica 0 are seen by autograd checks on the original, and finally the value's gradient
 // edge (none for detached copies).
-void rebind(at::Tensor& slot, const at::Tensor& value) {
+void assign_data(const at::Tensor& slot, const at::Tensor& value) {
   TORCH_CHECK(value.layout() == c10::kStrided && slot.layout() == c10::kStrided, kApi,
               ": only strided (dense) parameters and buffers can be replicated, got layout ",
               value.layout());
   if (auto* meta = torch::autograd::impl::get_autograd_meta(slot)) {
     meta->grad_accumulator_.reset();
   }
-  auto* impl = slot.unsafeGetTensorImpl();
-  impl->shallow_copy_from(value.getIntrusivePtr());
-  impl->set_version_counter(value.unsafeGetTensorImpl()->version_counter());
+  slot.unsafeGetTensorImpl()->shallow_copy_from(value.getIntrusivePtr());
+}
+
+void rebind(at::Tensor& slot, const at::Tensor& value) {
+  assign_data(slot, value);
+  slot.unsafeGetTensorImpl()->set_version_counter(value.unsafeGetTensorImpl()->version_counter());
   if (value.grad_fn()) {
     torch::autograd::impl::set_gradient_edge(
         slot, torch::autograd::Edge(value.grad_fn(), value.output_nr()));
@@ -390,6 +398,31 @@ std::vector<std::shared_ptr<Module>> Replicator::replicate(
   }
   return set->roots;
 }
+
+namespace detail {
+void move_module(Module& module, c10::Device device) {
+  const auto target = canonical(device);
+  std::unordered_set<const c10::TensorImpl*> moved;
+  auto move = [&](const at::Tensor& t) {
+    if (!t.defined() || canonical(t.device()) == target ||
+        !moved.insert(t.unsafeGetTensorImpl()).second) {
+      return;
+    }
+    at::NoGradGuard no_grad;
+    auto grad = t.grad();
+    assign_data(t, t.to(target));
+    if (grad.defined()) {
+      t.mutable_grad() = grad.to(target);
+    }
+  };
+  for (const auto& p : module.parameters()) {
+    move(p);
+  }
+  for (const auto& b : module.buffers()) {
+    move(b);
+  }
+}
+} // namespace detail
 
 namespace {
 struct GlobalCache {

@@ -91,4 +91,11 @@ std::vector<torch::nn::ModuleHolder<ModuleType>> replicate(
   return std::vector<torch::nn::ModuleHolder<ModuleType>>(ptrs.begin(), ptrs.end());
 }
 
+namespace detail {
+/// Moves every registered parameter and buffer of `module` (recursively) to `device` in place, as
+/// module->to(device) does, but also between backends whose tensors Tensor::set_data() refuses to
+/// mix (cpu and meta). Parameters stay the same tensors (and leaves); their gradients move along.
+void move_module(torch::nn::Module& module, c10::Device device);
+} // namespace detail
+
 } // namespace torchdp

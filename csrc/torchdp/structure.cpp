@@ -15,6 +15,15 @@ namespace {
 constexpr const char* kScatter = "torchdp::scatter";
 constexpr const char* kGather = "torchdp::gather";
 
+// A tuple with `like`'s named-tuple type (when it has one) and new elements.
+c10::IValue make_tuple_like(const c10::ivalue::Tuple& like, std::vector<c10::IValue> items) {
+  const auto type = like.type();
+  if (type && type->name()) {
+    return c10::ivalue::Tuple::createNamed(std::move(items), type);
+  }
+  return c10::ivalue::Tuple::create(std::move(items));
+}
+
 // Returns one value per chunk; the result may be shorter than devices (fewer chunks).
 std::vector<c10::IValue> scatter_value(const c10::IValue& value,
                                        const std::vector<c10::Device>& devices, int64_t dim) {
@@ -38,7 +47,7 @@ std::vector<c10::IValue> scatter_value(const c10::IValue& value,
       for (auto& p : parts) {
         items.push_back(p[i]);
       }
-      out.emplace_back(c10::ivalue::Tuple::create(std::move(items)));
+      out.emplace_back(make_tuple_like(value.toTupleRef(), std::move(items)));
     }
     return out;
   }
@@ -113,7 +122,7 @@ c10::IValue gather_value(const std::vector<c10::IValue>& outputs, c10::Device de
       }
       items.push_back(gather_value(column, destination, dim, where + "[" + std::to_string(k) + "]"));
     }
-    return c10::ivalue::Tuple::create(std::move(items));
+    return make_tuple_like(first.toTupleRef(), std::move(items));
   }
   if (first.isList()) {
     const size_t size = first.toListRef().size();

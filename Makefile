@@ -1,0 +1,68 @@
+# torchdp: the README's commands. Each target installs what is missing first.
+#   make test   build everything, run the C++ tests (ctest) and the installed-package check
+#   make demo   train a small masked model with torchdp::DataParallel and check it
+# TORCHDP_REQUIRE_CUDA=1 makes a GPU run fail instead of skipping its CUDA cases and requires the
+# CUDA and NCCL fast paths at configure time.
+
+PYTHON ?= python3
+BUILD ?= build
+JOBS ?= $(shell nproc 2>/dev/null || echo 2)
+TORCH_VERSION ?= 2.13.0
+CMAKE_ARGS ?=
+
+ifeq ($(TORCHDP_REQUIRE_CUDA),1)
+CUDA_ARGS := -DTORCHDP_WITH_CUDA=ON -DTORCHDP_WITH_NCCL=ON
+endif
+
+.PHONY: all deps configure build test test-cpp consumer demo demo-cpp clean
+
+all: build
+
+# Installs only what is missing: torch (the CPU wheel pinned above) with pip; CMake, Ninja, ccache
+# and Catch2 with apt. Machines that already have them (the GPU machine) install nothing.
+deps:
+	@$(PYTHON) -c "import torch" 2>/dev/null || { echo "== installing torch==$(TORCH_VERSION)"; \
+	  $(PYTHON) -m pip install --quiet "torch==$(TORCH_VERSION)"; }
+	@missing=""; \
+	command -v cmake >/dev/null || missing="$$missing cmake"; \
+	command -v ninja >/dev/null || missing="$$missing ninja-build"; \
+	command -v ccache >/dev/null || missing="$$missing ccache"; \
+	command -v g++ >/dev/null || missing="$$missing g++"; \
+	{ [ -e /usr/include/catch2/catch.hpp ] || [ -e /usr/include/catch2/catch_all.hpp ] || \
+	  [ -e /usr/local/include/catch2/catch_all.hpp ]; } || missing="$$missing catch2"; \
+	if [ -n "$$missing" ]; then \
+	  echo "== installing:$$missing"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing >/dev/null; \
+	fi
+
+configure: deps
+	@prefix=$$($(PYTHON) -c "import torch.utils; print(torch.utils.cmake_prefix_path)"); \
+	cmake -S . -B $(BUILD) -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+	  -DCMAKE_PREFIX_PATH="$$prefix" -DPython3_EXECUTABLE=$$(command -v $(PYTHON)) \
+	  -DCMAKE_INSTALL_PREFIX=$(CURDIR)/$(BUILD)/_install $(CUDA_ARGS) $(CMAKE_ARGS)
+
+build: configure
+	cmake --build $(BUILD) -j $(JOBS)
+
+test-cpp: build
+	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
+
+# Installs the package into $(BUILD)/_install and builds tests/consumer against it.
+consumer: build
+	cmake --install $(BUILD) >/dev/null
+	@prefix=$$($(PYTHON) -c "import torch.utils; print(torch.utils.cmake_prefix_path)"); \
+	cmake -S tests/consumer -B $(BUILD)/consumer -G Ninja \
+	  -DCMAKE_PREFIX_PATH="$(CURDIR)/$(BUILD)/_install;$$prefix" >/dev/null
+	cmake --build $(BUILD)/consumer
+	$(BUILD)/consumer/torchdp_consumer
+
+test: test-cpp consumer
+
+demo-cpp: build
+	$(BUILD)/examples/cpp/torchdp_example_train_masked
+
+demo: demo-cpp
+
+clean:
+	rm -rf $(BUILD)

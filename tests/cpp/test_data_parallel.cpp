@@ -1,0 +1,279 @@
+#include "test_common.h"
+
+using namespace torchdp_test;
+
+namespace {
+
+/// Conv2d + Linear, as LibTorch's DataParallelNumericalEquivalence test uses.
+struct ConvLinearImpl : torch::nn::Cloneable<ConvLinearImpl> {
+  ConvLinearImpl() {
+    reset();
+  }
+  void reset() override {
+    conv = register_module("conv", torch::nn::Conv2d(torch::nn::Conv2dOptions(2, 2, 3)));
+    fc = register_module("fc", torch::nn::Linear(8, 2));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto h = torch::relu(conv(x));
+    return fc(h.reshape({h.size(0), -1}));
+  }
+  torch::nn::Conv2d conv{nullptr};
+  torch::nn::Linear fc{nullptr};
+};
+TORCH_MODULE(ConvLinear);
+
+/// Two tensor arguments.
+struct TwoInputsImpl : torch::nn::Cloneable<TwoInputsImpl> {
+  TwoInputsImpl() {
+    reset();
+  }
+  void reset() override {
+    fc = register_module("fc", torch::nn::Linear(3, 3));
+  }
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& y) {
+    return fc(x) * y;
+  }
+  torch::nn::Linear fc{nullptr};
+};
+TORCH_MODULE(TwoInputs);
+
+torchdp::DataParallelOptions on(std::vector<torch::Device> devices) {
+  return torchdp::DataParallelOptions().device_ids(std::move(devices));
+}
+
+} // namespace
+
+TEST_CASE("data_parallel gives the module's output and gradients", "[cpu][data_parallel]") {
+  torch::manual_seed(9);
+  const auto devices = GENERATE(cpu_devices(2), cpu_devices(3), cpu_devices(4));
+  torch::nn::Linear linear(5, 3);
+  torch::nn::Linear reference(5, 3);
+  copy_state(*reference, *linear);
+  const auto x = torch::randn({10, 5});
+  auto out = torchdp::data_parallel(linear, x, devices);
+  auto expected = reference->forward(x);
+  CHECK(torch::allclose(out, expected, 1e-5, 1e-6));
+  out.pow(2).sum().backward();
+  expected.pow(2).sum().backward();
+  CHECK(torch::allclose(linear->weight.grad(), reference->weight.grad(), 1e-5, 1e-6));
+  CHECK(torch::allclose(linear->bias.grad(), reference->bias.grad(), 1e-5, 1e-6));
+}
+
+TEST_CASE("data_parallel places the output on the requested device", "[cpu][data_parallel]") {
+  torch::nn::Linear linear(3, 3);
+  SECTION("several devices") {
+    auto out = torchdp::data_parallel(linear, torch::randn({4, 3}), cpu_devices(2),
+                                      torch::Device(torch::kMeta));
+    CHECK(out.device().is_meta());
+    CHECK(out.sizes() == torch::IntArrayRef{4, 3});
+  }
+  SECTION("a single device") {
+    auto out = torchdp::data_parallel(linear, torch::randn({4, 3}), cpu_devices(1),
+                                      torch::Device(torch::kMeta));
+    CHECK(out.device().is_meta());
+  }
+  SECTION("along another dimension") {
+    auto x = torch::randn({3, 6});
+    auto out = torchdp::data_parallel(torch::nn::Identity(), x, cpu_devices(3), std::nullopt, 1);
+    CHECK(torch::equal(out, x));
+  }
+}
+
+TEST_CASE("DataParallel training equals serial training over 3 SGD steps", "[cpu][data_parallel]") {
+  const auto devices = GENERATE(cpu_devices(2), cpu_devices(3));
+  torch::manual_seed(10);
+  ConvLinear serial;
+  ConvLinear wrapped_model;
+  copy_state(*wrapped_model, *serial);
+  torchdp::DataParallel dp(wrapped_model, on(devices));
+  torch::optim::SGD opt_serial(serial->parameters(), torch::optim::SGDOptions(0.1));
+  torch::optim::SGD opt_dp(dp->parameters(), torch::optim::SGDOptions(0.1));
+  for (int step = 0; step < 3; ++step) {
+    const auto x = torch::randn({6, 2, 4, 4});
+    const auto y = torch::randn({6, 2});
+    opt_serial.zero_grad();
+    opt_dp.zero_grad();
+    auto loss_serial = torch::mse_loss(serial->forward(x), y);
+    auto loss_dp = torch::mse_loss(dp->forward(x), y);
+    CHECK(torch::allclose(loss_serial, loss_dp, 1e-5, 1e-6));
+    loss_serial.backward();
+    loss_dp.backward();
+    opt_serial.step();
+    opt_dp.step();
+    const auto a = serial->parameters();
+    const auto b = wrapped_model->parameters();
+    for (size_t i = 0; i < a.size(); ++i) {
+      INFO("step " << step << " parameter " << i);
+      CHECK(torch::allclose(a[i], b[i], 1e-5, 1e-6));
+    }
+  }
+  CHECK(dp->replicator().skeleton_builds() == 1);
+}
+
+TEST_CASE("DataParallel is a module around its child", "[cpu][data_parallel]") {
+  torch::nn::Linear linear(2, 2);
+  torchdp::DataParallel dp(linear, on(cpu_devices(2)));
+  const auto names = dp->named_parameters().keys();
+  CHECK(names == std::vector<std::string>{"module.weight", "module.bias"});
+  CHECK(dp->device_ids() == cpu_devices(2));
+  CHECK(*dp->output_device() == torch::Device(torch::kCPU));
+  CHECK(dp->module().get() == linear.get());
+  std::ostringstream os;
+  dp->pretty_print(os);
+  CHECK(os.str() == "torchdp::DataParallel(device_ids=[cpu, cpu], output_device=cpu, dim=0)");
+  dp->eval();
+  CHECK_FALSE(linear->is_training());
+}
+
+TEST_CASE("DataParallel forwards several tensor arguments", "[cpu][data_parallel]") {
+  torch::manual_seed(11);
+  TwoInputs module;
+  torchdp::DataParallel dp(module, on(cpu_devices(3)));
+  const auto x = torch::randn({7, 3});
+  const auto y = torch::randn({7, 3});
+  CHECK(torch::allclose(dp->forward(x, y), module->forward(x, y), 1e-5, 1e-6));
+}
+
+TEST_CASE("a batch smaller than the device count uses fewer replicas", "[cpu][data_parallel]") {
+  torch::nn::Linear linear(3, 2);
+  torchdp::DataParallel dp(linear, on(cpu_devices(4)));
+  const auto x = torch::randn({2, 3});
+  auto out = dp->forward(x);
+  CHECK(out.sizes() == torch::IntArrayRef{2, 2});
+  CHECK(torch::allclose(out, linear->forward(x)));
+  // A batch of 5 on 4 devices gives chunks [2, 2, 1]: three replicas.
+  CHECK(dp->forward(torch::randn({5, 3})).size(0) == 5);
+}
+
+TEST_CASE("the masked layer needs its post-replicate hook on a second device",
+          "[cpu][data_parallel][hooks]") {
+  torch::manual_seed(12);
+  MaskedNet net;
+  const auto x = torch::randn({4, 6});
+  SECTION("without a hook, replica 1 keeps the device-0 cache and fails") {
+    torchdp::DataParallel dp(net, on({torch::kCPU, torch::kMeta}).output_device(torch::kMeta));
+    TORCHDP_CHECK_THROWS_WITH(dp->forward(x), "Caught c10::Error in replica 1 on device meta",
+                              "device");
+  }
+  SECTION("with a hook, every replica's tensors are on its device") {
+    std::vector<torch::Device> cache_devices;
+    auto handle = torchdp::register_post_replicate_hook<MaskedLinear>(
+        [&](MaskedLinearImpl& replica, const MaskedLinearImpl&, torch::Device, int64_t,
+            torchdp::ReplicaContext&) {
+          replica.refresh_cache();
+          cache_devices.push_back(replica.cache_.device());
+        });
+    torchdp::DataParallel dp(net, on({torch::kCPU, torch::kMeta}).output_device(torch::kMeta));
+    auto out = dp->forward(x);
+    handle.remove();
+    CHECK(out.device().is_meta());
+    CHECK(out.sizes() == torch::IntArrayRef{4, 4});
+    CHECK(cache_devices == std::vector<torch::Device>{torch::kCPU, torch::kMeta});
+    // The original's cache and mask are untouched.
+    CHECK(net->masked->cache_.device().is_cpu());
+    CHECK(net->masked->mask.device().is_cpu());
+  }
+  SECTION("with a hook, outputs and gradients equal the unwrapped module's") {
+    auto handle = torchdp::register_post_replicate_hook<MaskedLinear>(
+        [](MaskedLinearImpl& replica, const MaskedLinearImpl&, torch::Device, int64_t,
+           torchdp::ReplicaContext&) { replica.refresh_cache(); });
+    MaskedNet reference;
+    copy_state(*reference, *net);
+    reference->masked->refresh_cache();
+    torchdp::DataParallel dp(net, on(cpu_devices(3)));
+    auto out = dp->forward(x);
+    auto expected = reference->forward(x);
+    handle.remove();
+    CHECK(torch::allclose(out, expected, 1e-5, 1e-6));
+    out.sum().backward();
+    expected.sum().backward();
+    CHECK(torch::allclose(net->masked->weight.grad(), reference->masked->weight.grad(), 1e-5, 1e-6));
+    CHECK(torch::allclose(net->fc1->weight.grad(), reference->fc1->weight.grad(), 1e-5, 1e-6));
+  }
+}
+
+TEST_CASE("a module left off device_ids[0] fails at the first forward, or is placed on request",
+          "[cpu][data_parallel]") {
+  torch::manual_seed(13);
+  MaskedNet net; // on the CPU
+  const auto devices = std::vector<torch::Device>{torch::kMeta, torch::kMeta};
+  SECTION("construction stays silent, the forward names the parameter and the fix") {
+    torchdp::DataParallel dp(net, on(devices));
+    TORCHDP_CHECK_THROWS_WITH(dp->forward(torch::randn({4, 6})), "torchdp::DataParallel",
+                              "module must have its parameters and buffers on device meta "
+                              "(device_ids[0]) but found one of them on device: cpu",
+                              "parameter 'fc1.weight'", "place_module(true)");
+    CHECK(net->fc1->weight.device().is_cpu());
+  }
+  // place_module's move needs a real second backend: see test_cuda.cpp ("a CPU model wrapped for
+  // GPUs"); LibTorch cannot clone modules whose tensors live on meta.
+}
+
+TEST_CASE("DataParallel rejects bad arguments with clear errors", "[cpu][data_parallel]") {
+  torch::nn::Linear linear(3, 3);
+  SECTION("an empty device list") {
+    TORCHDP_CHECK_THROWS_WITH(torchdp::DataParallel(linear, on({})), "torchdp::DataParallel",
+                              "device_ids is an empty list");
+  }
+  SECTION("an unknown device") {
+    if (torchdp::cuda_device_count() == 0) {
+      TORCHDP_CHECK_THROWS_WITH(
+          torchdp::DataParallel(linear, on({torch::kCPU, torch::Device("cuda:1")})),
+          "torchdp::DataParallel", "cuda:1", "no CUDA device is visible");
+    } else {
+      const auto bad = torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(
+                                                       torchdp::cuda_device_count()));
+      TORCHDP_CHECK_THROWS_WITH(torchdp::DataParallel(linear, on({bad})), "torchdp::DataParallel",
+                                "does not exist");
+    }
+  }
+  SECTION("a device type torchdp does not run on") {
+    TORCHDP_CHECK_THROWS_WITH(torchdp::DataParallel(linear, on({torch::Device(c10::DeviceType::XPU)})),
+                              "torchdp::DataParallel", "not supported");
+  }
+  SECTION("a 0-dim input") {
+    torchdp::DataParallel dp(linear, on(cpu_devices(2)));
+    TORCHDP_CHECK_THROWS_WITH(dp->forward(torch::ones({})), "torchdp::DataParallel",
+                              "0-dim tensor");
+  }
+  SECTION("an empty device list for data_parallel") {
+    TORCHDP_CHECK_THROWS_WITH(
+        torchdp::data_parallel(linear, torch::ones({2, 3}), std::vector<torch::Device>{}),
+        "torchdp::data_parallel", "at least one device");
+  }
+  SECTION("data_parallel without devices on a machine without CUDA") {
+    if (torchdp::cuda_device_count() == 0) {
+      TORCHDP_CHECK_THROWS_WITH(torchdp::data_parallel(linear, torch::ones({2, 3})),
+                                "torchdp::data_parallel", "no CUDA device is visible");
+    }
+  }
+}
+
+TEST_CASE("without devices and without CUDA, DataParallel calls the module directly",
+          "[cpu][data_parallel]") {
+  if (torchdp::cuda_device_count() > 0) {
+    TORCHDP_SKIP("CUDA devices are visible");
+  }
+  torch::nn::Linear linear(3, 2);
+  torchdp::DataParallel dp(linear);
+  CHECK(dp->device_ids().empty());
+  CHECK_FALSE(dp->output_device().has_value());
+  const auto x = torch::randn({4, 3});
+  CHECK(torch::equal(dp->forward(x), linear->forward(x)));
+}
+
+TEST_CASE("DataParallel rebuilds replicas when the training flag changes", "[cpu][data_parallel]") {
+  torch::manual_seed(14);
+  ConvBnNet net;
+  torchdp::DataParallel dp(net, on(cpu_devices(2)));
+  const auto x = torch::randn({4, 3, 5, 5});
+  for (int i = 0; i < 3; ++i) {
+    dp->forward(x);
+  }
+  CHECK(dp->replicator().skeleton_builds() == 1);
+  dp->eval();
+  torch::NoGradGuard no_grad;
+  auto out = dp->forward(x);
+  CHECK(dp->replicator().skeleton_builds() == 2);
+  CHECK(torch::allclose(out, net->forward(x), 1e-5, 1e-6));
+}

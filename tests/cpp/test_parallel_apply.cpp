@@ -1,0 +1,114 @@
+#include "test_common.h"
+
+#include <ATen/autocast_mode.h>
+
+#include <atomic>
+#include <thread>
+
+using namespace torchdp_test;
+
+TEST_CASE("parallel_apply runs each replica on its input", "[cpu][parallel_apply]") {
+  torch::manual_seed(8);
+  torch::nn::Linear linear(4, 2);
+  auto replicas = torchdp::replicate(linear, cpu_devices(3));
+  std::vector<torch::Tensor> inputs{torch::randn({2, 4}), torch::randn({3, 4}), torch::randn({1, 4})};
+  auto outputs = torchdp::parallel_apply(replicas, inputs);
+  REQUIRE(outputs.size() == 3);
+  for (size_t i = 0; i < 3; ++i) {
+    CHECK(torch::allclose(outputs[i], linear->forward(inputs[i])));
+    CHECK(outputs[i].requires_grad());
+  }
+}
+
+TEST_CASE("parallel_apply moves outputs to the requested devices", "[cpu][parallel_apply]") {
+  std::vector<torch::nn::Linear> modules{torch::nn::Linear(3, 3), torch::nn::Linear(3, 3)};
+  std::vector<torch::Tensor> inputs{torch::randn({2, 3}), torch::randn({2, 3})};
+  auto outputs = torchdp::parallel_apply(
+      modules, inputs, std::vector<torch::Device>{torch::kCPU, torch::kMeta});
+  CHECK(outputs[0].device().is_cpu());
+  CHECK(outputs[1].device().is_meta());
+}
+
+TEST_CASE("an exception in a replica is rethrown with its replica and device",
+          "[cpu][parallel_apply]") {
+  Throwing module;
+  auto replicas = torchdp::replicate(module, cpu_devices(3));
+  std::vector<torch::Tensor> inputs{torch::ones({1}), -torch::ones({1}), -torch::ones({1})};
+  // The first failing replica wins, and the c10::Error class is kept.
+  CHECK_THROWS_AS(torchdp::parallel_apply(replicas, inputs), c10::ValueError);
+  TORCHDP_CHECK_THROWS_WITH(torchdp::parallel_apply(replicas, inputs),
+                            "Caught c10::ValueError in replica 1 on device cpu.\n", "Badness!");
+}
+
+TEST_CASE("std exceptions are wrapped too", "[cpu][parallel_apply]") {
+  const auto devices = cpu_devices(2);
+  TORCHDP_CHECK_THROWS_WITH(torchdp::parallel_run(2, devices,
+                                                  [](size_t i) {
+                                                    if (i == 1) {
+                                                      throw std::out_of_range("key 'wonderful'");
+                                                    }
+                                                  }),
+                            "Caught std::out_of_range in replica 1 on device cpu.",
+                            "key 'wonderful'");
+}
+
+TEST_CASE("grad mode and autocast state are carried into the workers", "[cpu][parallel_apply]") {
+  const auto devices = cpu_devices(3);
+  std::vector<int> grad(3, -1);
+  SECTION("grad mode") {
+    {
+      torch::NoGradGuard no_grad;
+      torchdp::parallel_run(3, devices, [&](size_t i) { grad[i] = c10::GradMode::is_enabled(); });
+    }
+    CHECK(grad == std::vector<int>{0, 0, 0});
+    torchdp::parallel_run(3, devices, [&](size_t i) { grad[i] = c10::GradMode::is_enabled(); });
+    CHECK(grad == std::vector<int>{1, 1, 1});
+  }
+  SECTION("autocast enabled flag and dtype") {
+    const bool was_enabled = at::autocast::is_autocast_enabled(at::kCPU);
+    const auto was_dtype = at::autocast::get_autocast_dtype(at::kCPU);
+    at::autocast::set_autocast_enabled(at::kCPU, true);
+    at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
+    std::vector<int> enabled(3, -1);
+    std::vector<at::ScalarType> dtypes(3, at::kFloat);
+    torchdp::parallel_run(3, devices, [&](size_t i) {
+      enabled[i] = at::autocast::is_autocast_enabled(at::kCPU);
+      dtypes[i] = at::autocast::get_autocast_dtype(at::kCPU);
+    });
+    at::autocast::set_autocast_enabled(at::kCPU, was_enabled);
+    at::autocast::set_autocast_dtype(at::kCPU, was_dtype);
+    CHECK(enabled == std::vector<int>{1, 1, 1});
+    CHECK(dtypes == std::vector<at::ScalarType>{at::kBFloat16, at::kBFloat16, at::kBFloat16});
+  }
+}
+
+TEST_CASE("workers are persistent and task 0 runs on the calling thread", "[cpu][parallel_apply]") {
+  const auto devices = cpu_devices(3);
+  std::vector<std::thread::id> first(3), second(3);
+  torchdp::parallel_run(3, devices, [&](size_t i) { first[i] = std::this_thread::get_id(); });
+  torchdp::parallel_run(3, devices, [&](size_t i) { second[i] = std::this_thread::get_id(); });
+  CHECK(first[0] == std::this_thread::get_id());
+  CHECK(first[1] != first[0]);
+  CHECK(first[2] != first[1]);
+  CHECK(first == second);
+}
+
+TEST_CASE("nested parallel_run inside a worker runs inline", "[cpu][parallel_apply]") {
+  const auto devices = cpu_devices(2);
+  std::atomic<int> inner{0};
+  torchdp::parallel_run(2, devices, [&](size_t) {
+    torchdp::parallel_run(2, devices, [&](size_t) { inner++; });
+  });
+  CHECK(inner == 4);
+}
+
+TEST_CASE("parallel_apply rejects mismatched lengths", "[cpu][parallel_apply]") {
+  std::vector<torch::nn::Linear> modules{torch::nn::Linear(1, 1), torch::nn::Linear(1, 1)};
+  std::vector<torch::Tensor> one_input{torch::ones({1, 1})};
+  TORCHDP_CHECK_THROWS_WITH(torchdp::parallel_apply(modules, one_input), "torchdp::parallel_apply",
+                            "2 modules but 1 inputs");
+  std::vector<torch::Tensor> inputs{torch::ones({1, 1}), torch::ones({1, 1})};
+  TORCHDP_CHECK_THROWS_WITH(
+      torchdp::parallel_apply(modules, inputs, std::vector<torch::Device>{torch::kCPU}),
+      "torchdp::parallel_apply", "2 modules but 1 devices");
+}
