@@ -18,19 +18,20 @@ endif
 
 all: build
 
-# Installs only what is missing: torch (the CPU wheel pinned above) with pip; CMake, Ninja, ccache
-# and Catch2 with apt. Machines that already have them (the GPU machine) install nothing.
+# Installs only what is missing: torch (the CPU wheel pinned above) with pip; CMake, a C++ compiler
+# and Catch2 with apt, and then Ninja and ccache too (they speed builds up but are optional, so a
+# machine without network access that has the required tools, like the GPU machine, installs nothing).
 deps:
 	@$(PYTHON) -c "import torch" 2>/dev/null || { echo "== installing torch==$(TORCH_VERSION)"; \
 	  $(PYTHON) -m pip install --quiet "torch==$(TORCH_VERSION)"; }
 	@missing=""; \
 	command -v cmake >/dev/null || missing="$$missing cmake"; \
-	command -v ninja >/dev/null || missing="$$missing ninja-build"; \
-	command -v ccache >/dev/null || missing="$$missing ccache"; \
 	command -v g++ >/dev/null || missing="$$missing g++"; \
 	{ [ -e /usr/include/catch2/catch.hpp ] || [ -e /usr/include/catch2/catch_all.hpp ] || \
 	  [ -e /usr/local/include/catch2/catch_all.hpp ]; } || missing="$$missing catch2"; \
 	if [ -n "$$missing" ]; then \
+	  command -v ninja >/dev/null || missing="$$missing ninja-build"; \
+	  command -v ccache >/dev/null || missing="$$missing ccache"; \
 	  echo "== installing:$$missing"; \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing >/dev/null; \
@@ -38,7 +39,8 @@ deps:
 
 configure: deps
 	@prefix=$$($(PYTHON) -c "import torch.utils; print(torch.utils.cmake_prefix_path)"); \
-	cmake -S . -B $(BUILD) -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+	gen=$$(command -v ninja >/dev/null && echo Ninja || echo "Unix Makefiles"); \
+	cmake -S . -B $(BUILD) -G "$$gen" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
 	  -DCMAKE_PREFIX_PATH="$$prefix" -DPython3_EXECUTABLE=$$(command -v $(PYTHON)) \
 	  -DCMAKE_INSTALL_PREFIX=$(CURDIR)/$(BUILD)/_install $(CUDA_ARGS) $(CMAKE_ARGS)
 
@@ -52,7 +54,8 @@ test-cpp: build
 consumer: build
 	cmake --install $(BUILD) >/dev/null
 	@prefix=$$($(PYTHON) -c "import torch.utils; print(torch.utils.cmake_prefix_path)"); \
-	cmake -S tests/consumer -B $(BUILD)/consumer -G Ninja \
+	gen=$$(command -v ninja >/dev/null && echo Ninja || echo "Unix Makefiles"); \
+	cmake -S tests/consumer -B $(BUILD)/consumer -G "$$gen" \
 	  -DCMAKE_PREFIX_PATH="$(CURDIR)/$(BUILD)/_install;$$prefix" >/dev/null
 	cmake --build $(BUILD)/consumer
 	$(BUILD)/consumer/torchdp_consumer
