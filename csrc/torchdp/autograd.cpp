@@ -23,9 +23,9 @@ using torch::autograd::variable_list;
 // The forward of every node below runs the detached comm operation, then gives each output the
 // node as grad_fn. Every output is registered as an input of the node (add_input_metadata), also
 // the ones whose input does not require grad, so that gradient slot numbers are fixed
-// (j * num_inputs + k for broadcast); those outputs simply get no gradient edge and their slot always
-// receives an undefined gradient. Next edges are collected over all inputs; inputs that do not
-// require grad give invalid edges, which the engine skips.
+// (j * num_inputs + k for broadcast); those outputs simply get no gradient edge and their slot
+// always receives an undefined gradient. Next edges are collected over all inputs; inputs that do
+// not require grad give invalid edges, which the engine skips.
 
 // Autograd nodes are held by std::shared_ptr in older torch releases and by c10::intrusive_ptr in
 // newer ones; Edge::function tells which.
@@ -77,7 +77,9 @@ at::Tensor grad_or_zeros(const Node& node, const variable_list& grads, size_t i)
 struct BroadcastBackward : Node {
   BroadcastBackward(c10::Device source, std::vector<c10::Device> devices, size_t num_inputs,
                     size_t buffer_size)
-      : source_(source), devices_(std::move(devices)), num_inputs_(num_inputs),
+      : source_(source),
+        devices_(std::move(devices)),
+        num_inputs_(num_inputs),
         buffer_size_(buffer_size) {}
 
   std::string name() const override {
@@ -121,7 +123,9 @@ struct BroadcastBackward : Node {
 struct ReduceAddBackward : Node {
   ReduceAddBackward(c10::Device destination, std::vector<c10::Device> devices, size_t num_inputs,
                     size_t buffer_size)
-      : destination_(destination), devices_(std::move(devices)), num_inputs_(num_inputs),
+      : destination_(destination),
+        devices_(std::move(devices)),
+        num_inputs_(num_inputs),
         buffer_size_(buffer_size) {}
 
   std::string name() const override {
@@ -190,7 +194,9 @@ struct ScatterBackward : Node {
 struct GatherBackward : Node {
   GatherBackward(std::vector<c10::Device> input_devices, std::vector<int64_t> sizes, int64_t dim,
                  bool unsqueezed)
-      : input_devices_(std::move(input_devices)), sizes_(std::move(sizes)), dim_(dim),
+      : input_devices_(std::move(input_devices)),
+        sizes_(std::move(sizes)),
+        dim_(dim),
         unsqueezed_(unsqueezed) {}
 
   std::string name() const override {
@@ -235,7 +241,7 @@ std::vector<std::vector<at::Tensor>> broadcast_coalesced(at::TensorList tensors,
     return outputs;
   }
   auto node = make_node<BroadcastBackward>(detail::canonical(tensors[0].device()), devices,
-                                                  tensors.size(), buffer_size);
+                                           tensors.size(), buffer_size);
   node->set_next_edges(edges_of(tensors));
   for (auto& per_device : outputs) {
     for (const auto k : c10::irange(tensors.size())) {
@@ -287,7 +293,8 @@ std::vector<at::Tensor> scatter(const at::Tensor& input, const std::vector<c10::
     // (sharing storage and version counter) so they carry this node's history.
     if (chunk.is_alias_of(input)) {
       auto own = chunk.variable_data();
-      torch::autograd::impl::set_version_counter(own, torch::autograd::impl::version_counter(input));
+      torch::autograd::impl::set_version_counter(own,
+                                                 torch::autograd::impl::version_counter(input));
       chunk = std::move(own);
     }
     attach(node, chunk, true);
@@ -306,10 +313,13 @@ at::Tensor gather(at::TensorList inputs_in, c10::Device destination, int64_t dim
   std::vector<at::Tensor> inputs(inputs_in.begin(), inputs_in.end());
   bool unsqueezed = false;
   if (all_scalars) {
-    TORCH_CHECK(dim == 0, api, ": all inputs are 0-dim tensors, which can only be gathered along "
-                "dim 0 (into a vector), but dim=", dim, " was asked for");
-    TORCH_WARN("Was asked to gather along dimension 0, but all input tensors were scalars; will "
-               "instead unsqueeze and return a vector.");
+    TORCH_CHECK(dim == 0, api,
+                ": all inputs are 0-dim tensors, which can only be gathered along "
+                "dim 0 (into a vector), but dim=",
+                dim, " was asked for");
+    TORCH_WARN(
+        "Was asked to gather along dimension 0, but all input tensors were scalars; will "
+        "instead unsqueeze and return a vector.");
     at::NoGradGuard no_grad;
     for (auto& t : inputs) {
       t = t.view({1});

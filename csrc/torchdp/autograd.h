@@ -8,8 +8,8 @@
 #include <optional>
 #include <vector>
 
-/// Differentiable versions of the comm layer, as C++ autograd nodes, so gradients flow from replicas
-/// back to the original tensors whichever language drives the forward:
+/// Differentiable versions of the comm layer, as C++ autograd nodes, so gradients flow from
+/// replicas back to the original tensors whichever language drives the forward:
 ///
 /// | forward                 | backward                                   |
 /// |-------------------------|--------------------------------------------|
@@ -35,9 +35,9 @@ std::vector<at::Tensor> reduce_add_coalesced(const std::vector<std::vector<at::T
                                              size_t buffer_size = comm::kDefaultBufferSize);
 
 /// Differentiable comm::scatter (may return fewer chunks than devices).
-std::vector<at::Tensor> scatter(const at::Tensor& input, const std::vector<c10::Device>& devices,
-                                const std::optional<std::vector<int64_t>>& chunk_sizes = std::nullopt,
-                                int64_t dim = 0);
+std::vector<at::Tensor> scatter(
+    const at::Tensor& input, const std::vector<c10::Device>& devices,
+    const std::optional<std::vector<int64_t>>& chunk_sizes = std::nullopt, int64_t dim = 0);
 
 /// Differentiable comm::gather. When every input is 0-dim and dim is 0, each is viewed as a
 /// one-element vector and the result is a vector with one entry per input, with a warning, as

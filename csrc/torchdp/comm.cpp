@@ -19,9 +19,9 @@ namespace {
 
 // Note [Coalesced buckets]
 // Dense tensors are packed, in their order, into flat one-dimensional buckets of one dtype and at
-// most `buffer_size` bytes (a tensor larger than that gets a bucket of its own). A bucket moves with
-// one copy (or one NCCL call) per device instead of one per tensor; the outputs are views into the
-// flat copy, each re-wrapped with variable_data() so that it has its own version counter, as
+// most `buffer_size` bytes (a tensor larger than that gets a bucket of its own). A bucket moves
+// with one copy (or one NCCL call) per device instead of one per tensor; the outputs are views into
+// the flat copy, each re-wrapped with variable_data() so that it has its own version counter, as
 // torch.cuda.comm does (NOTE [Version Counter in comm.*_coalesced] there).
 struct Bucket {
   std::vector<size_t> indices;
@@ -177,16 +177,17 @@ std::vector<at::Tensor> reduce_add_coalesced(const std::vector<std::vector<at::T
   devices.reserve(per_device.size());
   for (const auto j : c10::irange(per_device.size())) {
     const auto& list = per_device[j];
-    TORCH_CHECK(list.size() == count, api, ": every device must hold the same number of tensors, "
-                "but list 0 has ", count, " and list ", j, " has ", list.size());
-    const auto device =
-        count ? detail::canonical(list[0].device()) : c10::Device(c10::kCPU);
+    TORCH_CHECK(list.size() == count, api,
+                ": every device must hold the same number of tensors, "
+                "but list 0 has ",
+                count, " and list ", j, " has ", list.size());
+    const auto device = count ? detail::canonical(list[0].device()) : c10::Device(c10::kCPU);
     for (const auto k : c10::irange(count)) {
       TORCH_CHECK(list[k].defined(), api, ": tensor ", k, " of list ", j, " is undefined");
       TORCH_CHECK(list[k].sizes() == first[k].sizes(), api, ": input ", k, " of list ", j,
                   " has invalid size: got ", list[k].sizes(), ", but expected ", first[k].sizes());
-      TORCH_CHECK(list[k].scalar_type() == first[k].scalar_type(), api, ": input ", k,
-                  " of list ", j, " has dtype ", list[k].scalar_type(), ", but expected ",
+      TORCH_CHECK(list[k].scalar_type() == first[k].scalar_type(), api, ": input ", k, " of list ",
+                  j, " has dtype ", list[k].scalar_type(), ", but expected ",
                   first[k].scalar_type());
       TORCH_CHECK(detail::canonical(list[k].device()) == device, api, ": list ", j,
                   " mixes devices (", device, " and ", list[k].device(),
@@ -266,17 +267,17 @@ std::vector<at::Tensor> scatter(const at::Tensor& tensor,
   std::vector<at::Tensor> chunks;
   if (chunk_sizes) {
     TORCH_CHECK(chunk_sizes->size() == devices.size(), api,
-                ": expected devices and chunk_sizes to be of same length, but got ",
-                devices.size(), " devices and ", chunk_sizes->size(), " chunk sizes");
+                ": expected devices and chunk_sizes to be of same length, but got ", devices.size(),
+                " devices and ", chunk_sizes->size(), " chunk sizes");
     int64_t total = 0;
     for (const auto i : c10::irange(chunk_sizes->size())) {
       TORCH_CHECK((*chunk_sizes)[i] >= 0, api, ": chunk size ", i, " is negative (",
                   (*chunk_sizes)[i], ")");
       total += (*chunk_sizes)[i];
     }
-    TORCH_CHECK(total == tensor.size(wrapped), api, ": chunk sizes ", c10::IntArrayRef(*chunk_sizes),
-                " add up to ", total, " but dimension ", wrapped, " of the input has size ",
-                tensor.size(wrapped));
+    TORCH_CHECK(total == tensor.size(wrapped), api, ": chunk sizes ",
+                c10::IntArrayRef(*chunk_sizes), " add up to ", total, " but dimension ", wrapped,
+                " of the input has size ", tensor.size(wrapped));
     chunks = tensor.split_with_sizes(*chunk_sizes, wrapped);
   } else {
     chunks = tensor.chunk(static_cast<int64_t>(devices.size()), wrapped);

@@ -24,9 +24,9 @@ std::vector<std::vector<at::Tensor>> broadcast_coalesced(at::TensorList tensors,
                                                          const std::vector<c10::Device>& devices,
                                                          size_t buffer_size = kDefaultBufferSize);
 
-/// Sums `per_device[j][k]` over j into one tensor per k on `destination`. Every per-device list must
-/// have the same length, the k-th tensors the same size and dtype, and each list must live on one
-/// device. The results have their own storage (never an input's).
+/// Sums `per_device[j][k]` over j into one tensor per k on `destination`. Every per-device list
+/// must have the same length, the k-th tensors the same size and dtype, and each list must live on
+/// one device. The results have their own storage (never an input's).
 std::vector<at::Tensor> reduce_add_coalesced(const std::vector<std::vector<at::Tensor>>& per_device,
                                              c10::Device destination,
                                              size_t buffer_size = kDefaultBufferSize);
@@ -34,10 +34,9 @@ std::vector<at::Tensor> reduce_add_coalesced(const std::vector<std::vector<at::T
 /// Splits `tensor` along `dim` and puts chunk i on devices[i]. Without `chunk_sizes` the split is
 /// `tensor.chunk(devices.size(), dim)`, which can give fewer chunks than devices (a batch of 5 on 4
 /// devices gives 3 chunks). A chunk already on its target device is a view of the input.
-std::vector<at::Tensor> scatter(const at::Tensor& tensor,
-                                const std::vector<c10::Device>& devices,
-                                const std::optional<std::vector<int64_t>>& chunk_sizes = std::nullopt,
-                                int64_t dim = 0);
+std::vector<at::Tensor> scatter(
+    const at::Tensor& tensor, const std::vector<c10::Device>& devices,
+    const std::optional<std::vector<int64_t>>& chunk_sizes = std::nullopt, int64_t dim = 0);
 
 /// Concatenates `tensors` along `dim` on `destination`. All dimensions but `dim` must agree.
 at::Tensor gather(at::TensorList tensors, c10::Device destination, int64_t dim = 0);

@@ -92,7 +92,8 @@ void DataParallelImpl::ensure_placement() {
   TORCH_CHECK(false, kApi, ": module must have its parameters and buffers on device ", target,
               " (device_ids[0]) but found one of them on device: ", found, " (", kind, " '", name,
               "'). Move the module there before the forward, e.g. module->to(torch::Device(\"",
-              target, "\")), or construct DataParallel with "
+              target,
+              "\")), or construct DataParallel with "
               "DataParallelOptions().place_module(true) to let it move the module itself");
 }
 

@@ -38,8 +38,9 @@ struct DataParallelOptions {
 /// Data parallelism over the devices of one process, as a module: every forward splits its tensor
 /// arguments along `dim` over the devices, runs one replica of the wrapped module per chunk in
 /// parallel, and joins the outputs on `output_device`. Gradients of all replicas are summed into
-/// the wrapped module's parameters. Replicas are cached and refreshed, not rebuilt, between forwards
-/// (see Note [Replicating Modules]); the wrapped module and its submodules must be Cloneable.
+/// the wrapped module's parameters. Replicas are cached and refreshed, not rebuilt, between
+/// forwards (see Note [Replicating Modules]); the wrapped module and its submodules must be
+/// Cloneable.
 ///
 /// The wrapped module is registered as the child "module", so parameters(), to(), train() and
 /// serialization go through it, and its parameters and buffers must be on device_ids[0] at each
@@ -68,13 +69,13 @@ class DataParallelImpl : public torch::nn::Module {
   /// Runs the data-parallel forward over one or more tensor arguments; returns the gathered output.
   template <typename... Tensors>
   at::Tensor forward(const Tensors&... inputs) {
-    static_assert(sizeof...(Tensors) > 0, "torchdp::DataParallel::forward needs at least one tensor");
+    static_assert(sizeof...(Tensors) > 0,
+                  "torchdp::DataParallel::forward needs at least one tensor");
     static_assert((std::is_convertible_v<Tensors, at::Tensor> && ...),
                   "torchdp::DataParallel::forward takes tensor arguments only");
-    return run({at::Tensor(inputs)...},
-               [](torch::nn::AnyModule& m, std::vector<at::Tensor>& args) {
-                 return call(m, args, std::index_sequence_for<Tensors...>{});
-               });
+    return run({at::Tensor(inputs)...}, [](torch::nn::AnyModule& m, std::vector<at::Tensor>& args) {
+      return call(m, args, std::index_sequence_for<Tensors...>{});
+    });
   }
 
   /// The devices in use (empty when DataParallel passes through to the module).
@@ -142,8 +143,7 @@ TORCH_MODULE(DataParallel);
 template <typename ModuleType>
 at::Tensor data_parallel(ModuleType module, at::Tensor input,
                          std::optional<std::vector<c10::Device>> devices = std::nullopt,
-                         std::optional<c10::Device> output_device = std::nullopt,
-                         int64_t dim = 0) {
+                         std::optional<c10::Device> output_device = std::nullopt, int64_t dim = 0) {
   constexpr const char* api = "torchdp::data_parallel";
   auto used = devices ? normalize_devices(*devices, api) : default_devices(api);
   const auto out_device = output_device ? normalize_device(*output_device, api) : used.front();

@@ -61,8 +61,9 @@ c10::Device normalize_device(c10::Device device, const char* api) {
         return c10::Device(c10::kCUDA, current.index());
       }
       TORCH_CHECK(device.index() >= 0 && device.index() < count, api, ": device ", device,
-                  " does not exist: only ", count, " CUDA device(s) are visible (cuda:0 to cuda:",
-                  count - 1, "). Check device_ids and CUDA_VISIBLE_DEVICES");
+                  " does not exist: only ", count,
+                  " CUDA device(s) are visible (cuda:0 to cuda:", count - 1,
+                  "). Check device_ids and CUDA_VISIBLE_DEVICES");
       return device;
     }
     default:

@@ -14,8 +14,8 @@ bool has_nccl();
 /// The number of visible CUDA devices (0 on CPU-only builds or machines).
 int64_t cuda_device_count();
 
-/// All visible CUDA devices in index order, as `torch::nn::parallel::data_parallel` uses them when no
-/// device list is given. Throws a c10::Error naming `api` when there is no CUDA device.
+/// All visible CUDA devices in index order, as `torch::nn::parallel::data_parallel` uses them when
+/// no device list is given. Throws a c10::Error naming `api` when there is no CUDA device.
 std::vector<c10::Device> default_devices(const char* api);
 
 /// Normalises one device for `api`: `cpu:0` and `meta:0` become `cpu` and `meta`, `cuda` without an
@@ -25,7 +25,8 @@ c10::Device normalize_device(c10::Device device, const char* api);
 
 /// Normalises every device of a list (see normalize_device) and rejects an empty list. A device may
 /// appear more than once, as in PyTorch: `[cpu, cpu, cpu]` gives three replicas on the CPU.
-std::vector<c10::Device> normalize_devices(const std::vector<c10::Device>& devices, const char* api);
+std::vector<c10::Device> normalize_devices(const std::vector<c10::Device>& devices,
+                                           const char* api);
 
 /// "[cuda:0, cuda:1]": for error messages.
 std::string devices_to_string(const std::vector<c10::Device>& devices);

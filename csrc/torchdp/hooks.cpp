@@ -39,7 +39,8 @@ PostReplicateHookHandle add(std::string description_suffix,
   const auto id = r.next_id++;
   auto entry = std::make_shared<HookEntry>();
   entry->id = id;
-  entry->description = "post-replicate hook #" + std::to_string(id) + " (" + description_suffix + ")";
+  entry->description =
+      "post-replicate hook #" + std::to_string(id) + " (" + description_suffix + ")";
   entry->matches = std::move(matches);
   entry->fn = std::move(fn);
   r.hooks.emplace(id, std::move(entry));
@@ -61,17 +62,18 @@ PostReplicateHookHandle register_instance_hook(const std::shared_ptr<torch::nn::
               "torchdp::register_post_replicate_hook: the module instance is null");
   std::weak_ptr<torch::nn::Module> weak = module;
   const torch::nn::Module* raw = module.get();
-  return add("for instance of " + module->name(),
-             [weak, raw](const torch::nn::Module& m) {
-               // The pointer test is cheap; the weak_ptr guards against a new module that reuses
-               // the address of a destroyed one.
-               if (&m != raw) {
-                 return false;
-               }
-               auto alive = weak.lock();
-               return alive.get() == raw;
-             },
-             std::move(fn));
+  return add(
+      "for instance of " + module->name(),
+      [weak, raw](const torch::nn::Module& m) {
+        // The pointer test is cheap; the weak_ptr guards against a new module that reuses
+        // the address of a destroyed one.
+        if (&m != raw) {
+          return false;
+        }
+        auto alive = weak.lock();
+        return alive.get() == raw;
+      },
+      std::move(fn));
 }
 
 std::vector<std::shared_ptr<const HookEntry>> hooks_for(const torch::nn::Module& original) {

@@ -17,8 +17,8 @@
 namespace torchdp {
 
 /// State shared by every copy of one module position during one replicate call (the
-/// Synchronized-BatchNorm `ctx` convention): the master copy (replica 0) sees it first and can leave
-/// values there for the copies on the other devices.
+/// Synchronized-BatchNorm `ctx` convention): the master copy (replica 0) sees it first and can
+/// leave values there for the copies on the other devices.
 class ReplicaContext {
  public:
   ReplicaContext(std::string path, std::vector<c10::Device> devices)
@@ -41,14 +41,14 @@ class ReplicaContext {
 };
 
 /// A post-replicate hook: called once per replica of each matching module, after every replica
-/// exists, master copy (index 0) first, with the replica, the original module, the replica's device,
-/// the replica index and the context shared by the copies of that module.
+/// exists, master copy (index 0) first, with the replica, the original module, the replica's
+/// device, the replica index and the context shared by the copies of that module.
 using PostReplicateHook =
     std::function<void(torch::nn::Module& replica, const torch::nn::Module& original,
                        c10::Device device, int64_t replica_index, ReplicaContext& ctx)>;
 
-/// Returned by register_post_replicate_hook; remove() unregisters the hook (idempotent). Dropping the
-/// handle does not remove the hook, as with torch.utils.hooks.RemovableHandle.
+/// Returned by register_post_replicate_hook; remove() unregisters the hook (idempotent). Dropping
+/// the handle does not remove the hook, as with torch.utils.hooks.RemovableHandle.
 class PostReplicateHookHandle {
  public:
   PostReplicateHookHandle() = default;
@@ -107,8 +107,8 @@ PostReplicateHook typed(Fn fn) {
   }
   return [fn = std::move(fn)](torch::nn::Module& replica, const torch::nn::Module& original,
                               c10::Device device, int64_t index, ReplicaContext& ctx) {
-    fn(dynamic_cast<ModuleType&>(replica), dynamic_cast<const ModuleType&>(original), device,
-       index, ctx);
+    fn(dynamic_cast<ModuleType&>(replica), dynamic_cast<const ModuleType&>(original), device, index,
+       ctx);
   };
 }
 
@@ -129,11 +129,14 @@ PostReplicateHook typed(Fn fn) {
 template <typename ModuleType, typename Fn>
 PostReplicateHookHandle register_post_replicate_hook(Fn fn) {
   using Impl = typename detail::contained<std::decay_t<ModuleType>>::type;
-  static_assert(std::is_base_of_v<torch::nn::Module, Impl>,
-                "register_post_replicate_hook<T>: T must be a torch::nn::Module subclass or holder");
+  static_assert(
+      std::is_base_of_v<torch::nn::Module, Impl>,
+      "register_post_replicate_hook<T>: T must be a torch::nn::Module subclass or holder");
   return detail::register_type_hook(
       c10::demangle(typeid(Impl).name()),
-      [](const torch::nn::Module& m) { return dynamic_cast<const Impl*>(&m) != nullptr; },
+      [](const torch::nn::Module& m) {
+        return dynamic_cast<const Impl*>(&m) != nullptr;
+      },
       detail::typed<Impl>(std::move(fn)));
 }
 
@@ -150,14 +153,14 @@ PostReplicateHookHandle register_post_replicate_hook(const std::shared_ptr<Modul
   return detail::register_instance_hook(module, detail::typed<ModuleType>(std::move(fn)));
 }
 template <typename ModuleType, typename Fn>
-PostReplicateHookHandle register_post_replicate_hook(const torch::nn::ModuleHolder<ModuleType>& module,
-                                                     Fn fn) {
+PostReplicateHookHandle register_post_replicate_hook(
+    const torch::nn::ModuleHolder<ModuleType>& module, Fn fn) {
   return detail::register_instance_hook(module.ptr(), detail::typed<ModuleType>(std::move(fn)));
 }
 
 /// The replica device check: every registered parameter and buffer of `replica` (recursively) must
-/// be on `device`. Raises a c10::Error naming the qualified tensor name, its device and the expected
-/// one, and how to fix it.
+/// be on `device`. Raises a c10::Error naming the qualified tensor name, its device and the
+/// expected one, and how to fix it.
 void check_replica_devices(const torch::nn::Module& replica, c10::Device device,
                            int64_t replica_index, const char* api);
 

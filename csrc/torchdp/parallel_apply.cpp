@@ -54,7 +54,10 @@ class WorkerPool {
     std::deque<std::function<void()>> tasks;
     std::thread thread;
 
-    Worker() : thread([this] { loop(); }) {
+    Worker()
+        : thread([this] {
+            loop();
+          }) {
       thread.detach();
     }
 
@@ -64,7 +67,9 @@ class WorkerPool {
         std::function<void()> task;
         {
           std::unique_lock<std::mutex> lock(mutex);
-          cv.wait(lock, [this] { return !tasks.empty(); });
+          cv.wait(lock, [this] {
+            return !tasks.empty();
+          });
           task = std::move(tasks.front());
           tasks.pop_front();
         }
@@ -91,7 +96,9 @@ struct Latch {
   }
   void wait() {
     std::unique_lock<std::mutex> lock(mutex);
-    cv.wait(lock, [this] { return remaining == 0; });
+    cv.wait(lock, [this] {
+      return remaining == 0;
+    });
   }
 };
 
@@ -145,8 +152,8 @@ template <typename E>
 
 void parallel_run(size_t n, const std::vector<c10::Device>& devices,
                   const std::function<void(size_t)>& fn) {
-  TORCH_CHECK(devices.size() >= n, "torchdp::parallel_run: ", n, " tasks but only ",
-              devices.size(), " devices; pass one device per task");
+  TORCH_CHECK(devices.size() >= n, "torchdp::parallel_run: ", n, " tasks but only ", devices.size(),
+              " devices; pass one device per task");
   if (n == 0) {
     return;
   }

@@ -34,9 +34,8 @@ std::vector<at::Tensor> parallel_apply(
   TORCH_CHECK(modules.size() == inputs.size(), "torchdp::parallel_apply: got ", modules.size(),
               " modules but ", inputs.size(), " inputs; pass one input per module");
   if (devices) {
-    TORCH_CHECK(modules.size() == devices->size(), "torchdp::parallel_apply: got ",
-                modules.size(), " modules but ", devices->size(),
-                " devices; pass one device per module");
+    TORCH_CHECK(modules.size() == devices->size(), "torchdp::parallel_apply: got ", modules.size(),
+                " modules but ", devices->size(), " devices; pass one device per module");
   }
   std::vector<c10::Device> where;
   where.reserve(inputs.size());

@@ -86,7 +86,7 @@ struct ReplicaSet {
   std::vector<c10::Device> devices;
   std::string signature;
   std::vector<std::shared_ptr<Module>> roots;
-  std::vector<std::vector<Module*>> modules; // [replica][position]
+  std::vector<std::vector<Module*>> modules;  // [replica][position]
   std::vector<std::vector<at::Tensor>> slots; // [replica][spec]: the replica's registered tensors
 };
 
@@ -177,10 +177,10 @@ ReplicaSet build(const Walk& w, const std::vector<c10::Device>& devices,
 
 // Note [Rebinding a replica tensor]
 // The replica's TensorImpl takes the value's storage, sizes, strides, dtype and device
-// (shallow_copy_from, what Tensor::set_data does minus its same-backend check, so a skeleton made on
-// the CPU can be rebound to a meta or CUDA copy), then the value's version counter, so in-place
-// updates of replica 0 are seen by autograd checks on the original, and finally the value's gradient
-// edge (none for detached copies).
+// (shallow_copy_from, what Tensor::set_data does minus its same-backend check, so a skeleton made
+// on the CPU can be rebound to a meta or CUDA copy), then the value's version counter, so in-place
+// updates of replica 0 are seen by autograd checks on the original, and finally the value's
+// gradient edge (none for detached copies).
 void assign_data(const at::Tensor& slot, const at::Tensor& value) {
   TORCH_CHECK(value.layout() == c10::kStrided && slot.layout() == c10::kStrided, kApi,
               ": only strided (dense) parameters and buffers can be replicated, got layout ",
@@ -282,7 +282,8 @@ std::vector<std::shared_ptr<Module>> Replicator::replicate(
                   join(w.positions[b.position].path, b.name), "' is on ", t.device(),
                   ". Move the whole module first, e.g. module->to(", devices[0], ")");
     }
-    TORCH_CHECK(t.layout() == c10::kStrided, kApi, ": ", w.specs[s].is_param ? "parameter '" : "buffer '",
+    TORCH_CHECK(t.layout() == c10::kStrided, kApi, ": ",
+                w.specs[s].is_param ? "parameter '" : "buffer '",
                 join(w.positions[w.specs[s].position].path, w.specs[s].name), "' has layout ",
                 t.layout(), "; only strided (dense) tensors can be replicated");
     auto [it, inserted] = index_of.emplace(t.unsafeGetTensorImpl(), unique.size());
@@ -362,9 +363,8 @@ std::vector<std::shared_ptr<Module>> Replicator::replicate(
                        static_cast<int64_t>(j), *contexts[p]);
             } catch (const std::exception& e) {
               TORCH_CHECK(false, kApi, ": ", hook->description, " failed on module '",
-                          where(w.positions[p].path), "' (type ",
-                          w.positions[p].original->name(), ") of replica ", j, " on device ",
-                          devices[j], ": ", message_of(e));
+                          where(w.positions[p].path), "' (type ", w.positions[p].original->name(),
+                          ") of replica ", j, " on device ", devices[j], ": ", message_of(e));
             }
           }
         }

@@ -17,19 +17,23 @@ namespace torchdp {
 // clone() runs reset(), which re-initialises every parameter, and then copies the values over. That
 // is what makes its data_parallel ~10x slower than one GPU. torchdp instead keeps a *skeleton* per
 // replica, built once with clone(), and on every call only
-//   1. broadcasts the original's parameters and buffers to the devices (autograd::broadcast_coalesced,
-//      coalesced; buffers that do not require grad, and everything in detach mode, without history),
-//   2. rebinds each registered tensor of each replica *in place* to its device's copy: the replica's
-//      TensorImpl takes the copy's storage, metadata and version counter, and its gradient edge points
-//      at the broadcast node. Rebinding in place matters: a C++ module reads its tensors through
-//      member fields (LinearImpl::weight) that share the TensorImpl with the parameter registry.
+//   1. broadcasts the original's parameters and buffers to the devices
+//   (autograd::broadcast_coalesced,
+//      coalesced; buffers that do not require grad, and everything in detach mode, without
+//      history),
+//   2. rebinds each registered tensor of each replica *in place* to its device's copy: the
+//   replica's
+//      TensorImpl takes the copy's storage, metadata and version counter, and its gradient edge
+//      points at the broadcast node. Rebinding in place matters: a C++ module reads its tensors
+//      through member fields (LinearImpl::weight) that share the TensorImpl with the parameter
+//      registry.
 //   3. runs the post-replicate hooks (replica 0 first), then checks every replica tensor's device.
-// The replica on devices[0] shares storage and version counter with the original, so in-place buffer
-// updates there (BatchNorm running statistics) land in the original; gradients of all replicas are
-// reduce-added into the original parameters' .grad. Parameters and submodules shared inside the
-// original are broadcast once and stay shared. The skeleton is rebuilt when the module's structure
-// (submodules, parameter and buffer names) or any training flag changes. The original's tensors are
-// never written.
+// The replica on devices[0] shares storage and version counter with the original, so in-place
+// buffer updates there (BatchNorm running statistics) land in the original; gradients of all
+// replicas are reduce-added into the original parameters' .grad. Parameters and submodules shared
+// inside the original are broadcast once and stay shared. The skeleton is rebuilt when the module's
+// structure (submodules, parameter and buffer names) or any training flag changes. The original's
+// tensors are never written.
 
 /// Builds and refreshes the replicas of one module (see Note [Replicating Modules]).
 ///
@@ -59,10 +63,10 @@ class Replicator {
   std::unique_ptr<State> state_;
 };
 
-/// Replicas of `module`, one per device (see Note [Replicating Modules]). A module whose tensors are
-/// not on devices[0] is copied to every device (then no replica shares storage with it). The module
-/// and all its submodules must be Cloneable. Skeletons are cached per module and device list, so the
-/// replicas of the previous call of the same module are refreshed and returned again.
+/// Replicas of `module`, one per device (see Note [Replicating Modules]). A module whose tensors
+/// are not on devices[0] is copied to every device (then no replica shares storage with it). The
+/// module and all its submodules must be Cloneable. Skeletons are cached per module and device
+/// list, so the replicas of the previous call of the same module are refreshed and returned again.
 std::vector<std::shared_ptr<torch::nn::Module>> replicate(
     const std::shared_ptr<torch::nn::Module>& module, const std::vector<c10::Device>& devices,
     bool detach = false);

@@ -100,8 +100,9 @@ c10::IValue gather_value(const std::vector<c10::IValue>& outputs, c10::Device de
     std::vector<at::Tensor> tensors;
     tensors.reserve(outputs.size());
     for (const auto i : c10::irange(outputs.size())) {
-      TORCH_CHECK(outputs[i].isTensor(), kGather, ": output ", where, " of replica 0 is a tensor but ",
-                  "replica ", i, " returned ", outputs[i].tagKind());
+      TORCH_CHECK(outputs[i].isTensor(), kGather, ": output ", where,
+                  " of replica 0 is a tensor but ", "replica ", i, " returned ",
+                  outputs[i].tagKind());
       tensors.push_back(outputs[i].toTensor());
     }
     return autograd::gather(tensors, destination, dim);
@@ -120,7 +121,8 @@ c10::IValue gather_value(const std::vector<c10::IValue>& outputs, c10::Device de
                     " elements in replica 0 but not in replica ", i);
         column.push_back(outputs[i].toTupleRef().elements()[k]);
       }
-      items.push_back(gather_value(column, destination, dim, where + "[" + std::to_string(k) + "]"));
+      items.push_back(
+          gather_value(column, destination, dim, where + "[" + std::to_string(k) + "]"));
     }
     return make_tuple_like(first.toTupleRef(), std::move(items));
   }
@@ -135,7 +137,8 @@ c10::IValue gather_value(const std::vector<c10::IValue>& outputs, c10::Device de
                     " elements in replica 0 but not in replica ", i);
         column.push_back(outputs[i].toListRef()[k]);
       }
-      items.push_back(gather_value(column, destination, dim, where + "[" + std::to_string(k) + "]"));
+      items.push_back(
+          gather_value(column, destination, dim, where + "[" + std::to_string(k) + "]"));
     }
     return items;
   }

@@ -13,8 +13,8 @@ namespace torchdp {
 
 /// Splits `inputs` into one structure per chunk. Tensors are scattered with
 /// autograd::scatter(tensor, devices, nullopt, dim); containers are rebuilt per chunk with the same
-/// keys and element types. The number of chunks is the smallest over all tensor leaves (a batch of 3
-/// on 4 devices gives 3); with no tensor leaf it is devices.size().
+/// keys and element types. The number of chunks is the smallest over all tensor leaves (a batch of
+/// 3 on 4 devices gives 3); with no tensor leaf it is devices.size().
 std::vector<c10::IValue> scatter(const c10::IValue& inputs, const std::vector<c10::Device>& devices,
                                  int64_t dim = 0);
 

@@ -332,9 +332,10 @@ int train(const std::vector<torch::Device>& devices, int64_t steps, int64_t batc
     ok = false;
   }
   if (!ok) {
-    std::printf("FAIL: DataParallel weights do not match single-device training (max abs diff "
-                "%.3g)\n",
-                max_diff);
+    std::printf(
+        "FAIL: DataParallel weights do not match single-device training (max abs diff "
+        "%.3g)\n",
+        max_diff);
     return 1;
   }
   std::printf("OK: DataParallel weights match single-device training (max abs diff %.3g)\n",

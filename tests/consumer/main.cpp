@@ -13,7 +13,7 @@ int main() {
     std::cerr << "torchdp consumer: data_parallel output differs from the module's\n";
     return 1;
   }
-  std::cout << "torchdp consumer OK (torchdp " << TORCHDP_VERSION << ", CUDA "
-            << TORCHDP_WITH_CUDA << ", NCCL " << TORCHDP_WITH_NCCL << ")\n";
+  std::cout << "torchdp consumer OK (torchdp " << TORCHDP_VERSION << ", CUDA " << TORCHDP_WITH_CUDA
+            << ", NCCL " << TORCHDP_WITH_NCCL << ")\n";
   return 0;
 }

@@ -8,9 +8,9 @@
 #else
 #include <catch2/catch.hpp>
 #define TORCHDP_CATCH_V3 0
-#define TORCHDP_SKIP(msg)         \
-  do {                            \
-    WARN("skipped: " << msg);     \
-    return;                       \
+#define TORCHDP_SKIP(msg)     \
+  do {                        \
+    WARN("skipped: " << msg); \
+    return;                   \
   } while (0)
 #endif

@@ -70,13 +70,15 @@ std::string error_message(Fn&& fn) {
   return "<no exception>";
 }
 
-#define TORCHDP_CHECK_THROWS_WITH(expr, ...)                                   \
-  do {                                                                         \
-    const std::string _msg = ::torchdp_test::error_message([&] { expr; });     \
-    for (const std::string& _part : std::vector<std::string>{__VA_ARGS__}) {   \
-      INFO("message: " << _msg);                                               \
-      CHECK(_msg.find(_part) != std::string::npos);                            \
-    }                                                                          \
+#define TORCHDP_CHECK_THROWS_WITH(expr, ...)                                 \
+  do {                                                                       \
+    const std::string _msg = ::torchdp_test::error_message([&] {             \
+      expr;                                                                  \
+    });                                                                      \
+    for (const std::string& _part : std::vector<std::string>{__VA_ARGS__}) { \
+      INFO("message: " << _msg);                                             \
+      CHECK(_msg.find(_part) != std::string::npos);                          \
+    }                                                                        \
   } while (0)
 
 /// A linear layer with a registered `mask` buffer and an unregistered member derived from it

@@ -14,7 +14,9 @@ namespace {
 torchdp::PostReplicateHookHandle masked_hook() {
   return torchdp::register_post_replicate_hook<MaskedLinear>(
       [](MaskedLinearImpl& replica, const MaskedLinearImpl&, torch::Device, int64_t,
-         torchdp::ReplicaContext&) { replica.refresh_cache(); });
+         torchdp::ReplicaContext&) {
+        replica.refresh_cache();
+      });
 }
 
 /// A Cloneable MLP (Sequential cannot be held by DataParallel: its forward is a template).
@@ -202,16 +204,15 @@ TEST_CASE("CUDA: workers run on their replica's device", "[multi-cuda]") {
   CHECK(seen == std::vector<c10::DeviceIndex>{0, 1});
 }
 
-TEST_CASE("CUDA: a CPU model wrapped for GPUs fails at the first forward, or is placed",
-          "[cuda]") {
+TEST_CASE("CUDA: a CPU model wrapped for GPUs fails at the first forward, or is placed", "[cuda]") {
   TORCHDP_NEED_CUDA(devices, 1);
   torch::nn::Linear linear(3, 3);
   torchdp::DataParallel dp(linear, torchdp::DataParallelOptions().device_ids(devices));
   TORCHDP_CHECK_THROWS_WITH(dp->forward(torch::randn({2, 3}).to(devices[0])),
                             "module must have its parameters and buffers on device cuda:0",
                             "parameter 'weight'", "place_module(true)");
-  torchdp::DataParallel placed(linear,
-                               torchdp::DataParallelOptions().device_ids(devices).place_module(true));
+  torchdp::DataParallel placed(
+      linear, torchdp::DataParallelOptions().device_ids(devices).place_module(true));
   CHECK(placed->forward(torch::randn({2, 3})).device() == devices[0]);
   CHECK(linear->weight.device() == devices[0]);
 }
@@ -226,8 +227,8 @@ TEST_CASE("NCCL: coalesced broadcast and reduce give exact results", "[nccl][mul
   }
   std::vector<torch::Tensor> tensors{
       torch::randn({1000, 3}).to(devices[0]), torch::arange(17).to(devices[0]),
-      torch::randn({5}, torch::kHalf).to(devices[0]), torch::ones({2, 2}, torch::kBool).to(devices[0]),
-      torch::randn({0}).to(devices[0])};
+      torch::randn({5}, torch::kHalf).to(devices[0]),
+      torch::ones({2, 2}, torch::kBool).to(devices[0]), torch::randn({0}).to(devices[0])};
   auto copies = torchdp::comm::broadcast_coalesced(tensors, devices, /*buffer_size=*/4096);
   for (size_t k = 0; k < tensors.size(); ++k) {
     CHECK(copies[0][k].is_same(tensors[k]));
@@ -236,7 +237,8 @@ TEST_CASE("NCCL: coalesced broadcast and reduce give exact results", "[nccl][mul
   }
   std::vector<std::vector<torch::Tensor>> per_device{
       {torch::ones({300, 7}).to(devices[0]), torch::full({3}, 2, torch::kLong).to(devices[0])},
-      {torch::full({300, 7}, 2.0).to(devices[1]), torch::full({3}, 5, torch::kLong).to(devices[1])}};
+      {torch::full({300, 7}, 2.0).to(devices[1]),
+       torch::full({3}, 5, torch::kLong).to(devices[1])}};
   for (const auto& destination : devices) {
     auto sums = torchdp::comm::reduce_add_coalesced(per_device, destination);
     CHECK(sums[0].device() == destination);

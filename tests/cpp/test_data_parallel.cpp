@@ -176,7 +176,9 @@ TEST_CASE("the masked layer needs its post-replicate hook on a second device",
   SECTION("with a hook, outputs and gradients equal the unwrapped module's") {
     auto handle = torchdp::register_post_replicate_hook<MaskedLinear>(
         [](MaskedLinearImpl& replica, const MaskedLinearImpl&, torch::Device, int64_t,
-           torchdp::ReplicaContext&) { replica.refresh_cache(); });
+           torchdp::ReplicaContext&) {
+          replica.refresh_cache();
+        });
     MaskedNet reference;
     copy_state(*reference, *net);
     reference->masked->refresh_cache();
@@ -187,7 +189,8 @@ TEST_CASE("the masked layer needs its post-replicate hook on a second device",
     CHECK(torch::allclose(out, expected, 1e-5, 1e-6));
     out.sum().backward();
     expected.sum().backward();
-    CHECK(torch::allclose(net->masked->weight.grad(), reference->masked->weight.grad(), 1e-5, 1e-6));
+    CHECK(
+        torch::allclose(net->masked->weight.grad(), reference->masked->weight.grad(), 1e-5, 1e-6));
     CHECK(torch::allclose(net->fc1->weight.grad(), reference->fc1->weight.grad(), 1e-5, 1e-6));
   }
 }
@@ -221,15 +224,16 @@ TEST_CASE("DataParallel rejects bad arguments with clear errors", "[cpu][data_pa
           torchdp::DataParallel(linear, on({torch::kCPU, torch::Device("cuda:1")})),
           "torchdp::DataParallel", "cuda:1", "no CUDA device is visible");
     } else {
-      const auto bad = torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(
-                                                       torchdp::cuda_device_count()));
+      const auto bad =
+          torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(torchdp::cuda_device_count()));
       TORCHDP_CHECK_THROWS_WITH(torchdp::DataParallel(linear, on({bad})), "torchdp::DataParallel",
                                 "does not exist");
     }
   }
   SECTION("a device type torchdp does not run on") {
-    TORCHDP_CHECK_THROWS_WITH(torchdp::DataParallel(linear, on({torch::Device(c10::DeviceType::XPU)})),
-                              "torchdp::DataParallel", "not supported");
+    TORCHDP_CHECK_THROWS_WITH(
+        torchdp::DataParallel(linear, on({torch::Device(c10::DeviceType::XPU)})),
+        "torchdp::DataParallel", "not supported");
   }
   SECTION("a 0-dim input") {
     torchdp::DataParallel dp(linear, on(cpu_devices(2)));

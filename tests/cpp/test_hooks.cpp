@@ -97,10 +97,14 @@ TEST_CASE("hooks run in registration order and can be removed", "[cpu][hooks]") 
   std::vector<int> order;
   auto h1 = torchdp::register_post_replicate_hook<torch::nn::Linear>(
       [&](torch::nn::LinearImpl&, const torch::nn::LinearImpl&, torch::Device, int64_t index,
-          torchdp::ReplicaContext&) { order.push_back(10 + static_cast<int>(index)); });
+          torchdp::ReplicaContext&) {
+        order.push_back(10 + static_cast<int>(index));
+      });
   auto h2 = torchdp::register_post_replicate_hook(
       linear.ptr(), [&](torch::nn::Module&, const torch::nn::Module&, torch::Device, int64_t index,
-                        torchdp::ReplicaContext&) { order.push_back(20 + static_cast<int>(index)); });
+                        torchdp::ReplicaContext&) {
+        order.push_back(20 + static_cast<int>(index));
+      });
   torchdp::replicate(linear, cpu_devices(2));
   CHECK(order == std::vector<int>{10, 20, 11, 21});
   CHECK(h1.active());
@@ -116,8 +120,9 @@ TEST_CASE("hooks run in registration order and can be removed", "[cpu][hooks]") 
   CHECK(order.empty());
 }
 
-TEST_CASE("a failing hook aborts with its module path and replica and leaves the original as it was",
-          "[cpu][hooks]") {
+TEST_CASE(
+    "a failing hook aborts with its module path and replica and leaves the original as it was",
+    "[cpu][hooks]") {
   torch::manual_seed(7);
   MaskedNet net;
   const auto weight_before = net->masked->weight.detach().clone();

@@ -11,7 +11,8 @@ TEST_CASE("parallel_apply runs each replica on its input", "[cpu][parallel_apply
   torch::manual_seed(8);
   torch::nn::Linear linear(4, 2);
   auto replicas = torchdp::replicate(linear, cpu_devices(3));
-  std::vector<torch::Tensor> inputs{torch::randn({2, 4}), torch::randn({3, 4}), torch::randn({1, 4})};
+  std::vector<torch::Tensor> inputs{torch::randn({2, 4}), torch::randn({3, 4}),
+                                    torch::randn({1, 4})};
   auto outputs = torchdp::parallel_apply(replicas, inputs);
   REQUIRE(outputs.size() == 3);
   for (size_t i = 0; i < 3; ++i) {
@@ -23,8 +24,8 @@ TEST_CASE("parallel_apply runs each replica on its input", "[cpu][parallel_apply
 TEST_CASE("parallel_apply moves outputs to the requested devices", "[cpu][parallel_apply]") {
   std::vector<torch::nn::Linear> modules{torch::nn::Linear(3, 3), torch::nn::Linear(3, 3)};
   std::vector<torch::Tensor> inputs{torch::randn({2, 3}), torch::randn({2, 3})};
-  auto outputs = torchdp::parallel_apply(
-      modules, inputs, std::vector<torch::Device>{torch::kCPU, torch::kMeta});
+  auto outputs = torchdp::parallel_apply(modules, inputs,
+                                         std::vector<torch::Device>{torch::kCPU, torch::kMeta});
   CHECK(outputs[0].device().is_cpu());
   CHECK(outputs[1].device().is_meta());
 }
@@ -58,10 +59,14 @@ TEST_CASE("grad mode and autocast state are carried into the workers", "[cpu][pa
   SECTION("grad mode") {
     {
       torch::NoGradGuard no_grad;
-      torchdp::parallel_run(3, devices, [&](size_t i) { grad[i] = c10::GradMode::is_enabled(); });
+      torchdp::parallel_run(3, devices, [&](size_t i) {
+        grad[i] = c10::GradMode::is_enabled();
+      });
     }
     CHECK(grad == std::vector<int>{0, 0, 0});
-    torchdp::parallel_run(3, devices, [&](size_t i) { grad[i] = c10::GradMode::is_enabled(); });
+    torchdp::parallel_run(3, devices, [&](size_t i) {
+      grad[i] = c10::GradMode::is_enabled();
+    });
     CHECK(grad == std::vector<int>{1, 1, 1});
   }
   SECTION("autocast enabled flag and dtype") {
@@ -85,8 +90,12 @@ TEST_CASE("grad mode and autocast state are carried into the workers", "[cpu][pa
 TEST_CASE("workers are persistent and task 0 runs on the calling thread", "[cpu][parallel_apply]") {
   const auto devices = cpu_devices(3);
   std::vector<std::thread::id> first(3), second(3);
-  torchdp::parallel_run(3, devices, [&](size_t i) { first[i] = std::this_thread::get_id(); });
-  torchdp::parallel_run(3, devices, [&](size_t i) { second[i] = std::this_thread::get_id(); });
+  torchdp::parallel_run(3, devices, [&](size_t i) {
+    first[i] = std::this_thread::get_id();
+  });
+  torchdp::parallel_run(3, devices, [&](size_t i) {
+    second[i] = std::this_thread::get_id();
+  });
   CHECK(first[0] == std::this_thread::get_id());
   CHECK(first[1] != first[0]);
   CHECK(first[2] != first[1]);
@@ -97,7 +106,9 @@ TEST_CASE("nested parallel_run inside a worker runs inline", "[cpu][parallel_app
   const auto devices = cpu_devices(2);
   std::atomic<int> inner{0};
   torchdp::parallel_run(2, devices, [&](size_t) {
-    torchdp::parallel_run(2, devices, [&](size_t) { inner++; });
+    torchdp::parallel_run(2, devices, [&](size_t) {
+      inner++;
+    });
   });
   CHECK(inner == 4);
 }

@@ -19,11 +19,11 @@
 namespace torchdp::nccl {
 namespace {
 
-#define TORCHDP_NCCL_CHECK(expr)                                                               \
-  do {                                                                                         \
-    ncclResult_t _r = (expr);                                                                  \
+#define TORCHDP_NCCL_CHECK(expr)                                                                  \
+  do {                                                                                            \
+    ncclResult_t _r = (expr);                                                                     \
     TORCH_CHECK(_r == ncclSuccess, "torchdp NCCL error in ", #expr, ": ", ncclGetErrorString(_r), \
-                " (set TORCHDP_DISABLE_NCCL=1 to use peer copies instead)");                   \
+                " (set TORCHDP_DISABLE_NCCL=1 to use peer copies instead)");                      \
   } while (0)
 
 // Communicators per ordered device list; created once, never destroyed (see the header).
@@ -127,7 +127,8 @@ void broadcast(std::vector<at::Tensor>& buffers, const std::vector<c10::Device>&
   GroupGuard group;
   for (const auto j : c10::irange(devices.size())) {
     TORCH_INTERNAL_ASSERT(buffers[j].is_contiguous() &&
-                          static_cast<size_t>(buffers[j].numel() * buffers[j].element_size()) == bytes);
+                          static_cast<size_t>(buffers[j].numel() * buffers[j].element_size()) ==
+                              bytes);
     c10::cuda::CUDAGuard guard(devices[j]);
     auto stream = c10::cuda::getCurrentCUDAStream(devices[j].index());
     TORCHDP_NCCL_CHECK(ncclBroadcast(buffers[0].data_ptr(), buffers[j].data_ptr(), bytes, ncclUint8,
@@ -145,7 +146,8 @@ void reduce(const std::vector<at::Tensor>& inputs, at::Tensor& output, size_t ro
   const auto type = reduce_type(inputs[0].scalar_type());
   GroupGuard group;
   for (const auto j : c10::irange(devices.size())) {
-    TORCH_INTERNAL_ASSERT(inputs[j].is_contiguous() && static_cast<size_t>(inputs[j].numel()) == count);
+    TORCH_INTERNAL_ASSERT(inputs[j].is_contiguous() &&
+                          static_cast<size_t>(inputs[j].numel()) == count);
     c10::cuda::CUDAGuard guard(devices[j]);
     auto stream = c10::cuda::getCurrentCUDAStream(devices[j].index());
     void* recv = j == root ? output.data_ptr() : nullptr;

@@ -7,14 +7,14 @@
 
 /// NCCL transport for comm.cpp. Compiled only when TORCHDP_WITH_NCCL is 1.
 ///
-/// Communicators are created once per ordered set of distinct CUDA devices (ncclCommInitAll) and kept
-/// for the life of the process: destroying them at static-destruction time can hang in the driver.
-/// Collectives run on each device's current stream, so they are ordered with the compute that
-/// produced their inputs and the compute that reads their outputs.
+/// Communicators are created once per ordered set of distinct CUDA devices (ncclCommInitAll) and
+/// kept for the life of the process: destroying them at static-destruction time can hang in the
+/// driver. Collectives run on each device's current stream, so they are ordered with the compute
+/// that produced their inputs and the compute that reads their outputs.
 namespace torchdp::nccl {
 
-/// True when NCCL can serve this device list: at least two devices, all CUDA, none listed twice, and
-/// the environment variable TORCHDP_DISABLE_NCCL is unset or 0.
+/// True when NCCL can serve this device list: at least two devices, all CUDA, none listed twice,
+/// and the environment variable TORCHDP_DISABLE_NCCL is unset or 0.
 bool usable(const std::vector<c10::Device>& devices);
 
 /// True when `ncclReduce` supports this dtype.
