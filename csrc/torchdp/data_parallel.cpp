@@ -11,37 +11,6 @@ namespace {
 
 constexpr const char* kApi = "torchdp::DataParallel";
 
-// The qualified name and device of the first registered tensor that is not on `device`.
-bool find_misplaced(const torch::nn::Module& m, const std::string& path, c10::Device device,
-                    std::string& name, c10::Device& found, std::string& kind) {
-  auto visit = [&](const std::string& key, const at::Tensor& t, const char* what) {
-    if (t.defined() && detail::canonical(t.device()) != device) {
-      name = path.empty() ? key : path + "." + key;
-      found = t.device();
-      kind = what;
-      return true;
-    }
-    return false;
-  };
-  for (const auto& p : m.named_parameters(/*recurse=*/false)) {
-    if (visit(p.key(), p.value(), "parameter")) {
-      return true;
-    }
-  }
-  for (const auto& b : m.named_buffers(/*recurse=*/false)) {
-    if (visit(b.key(), b.value(), "buffer")) {
-      return true;
-    }
-  }
-  for (const auto& c : m.named_children()) {
-    if (find_misplaced(*c.value(), path.empty() ? c.key() : path + "." + c.key(), device, name,
-                       found, kind)) {
-      return true;
-    }
-  }
-  return false;
-}
-
 } // namespace
 
 void DataParallelImpl::init(std::shared_ptr<torch::nn::Module> module, Wrap wrap) {
@@ -85,13 +54,10 @@ void DataParallelImpl::ensure_placement() {
     detail::move_module(*module_, target);
     return;
   }
-  std::string name;
-  std::string kind;
-  c10::Device found(c10::kCPU);
-  find_misplaced(*module_, "", target, name, found, kind);
-  TORCH_CHECK(false, kApi, ": module must have its parameters and buffers on device ", target,
-              " (device_ids[0]) but found one of them on device: ", found, " (", kind, " '", name,
-              "'). Move the module there before the forward, e.g. module->to(torch::Device(\"",
+  const auto bad = detail::find_misplaced(*module_, target);
+  TORCH_CHECK(!bad, kApi, ": module must have its parameters and buffers on device ", target,
+              " (device_ids[0]) but found one of them on device: ", bad->device, " (", bad->kind,
+              " '", bad->name, "'). Move the module there before the forward, e.g. module->to(torch::Device(\"",
               target,
               "\")), or construct DataParallel with "
               "DataParallelOptions().place_module(true) to let it move the module itself");

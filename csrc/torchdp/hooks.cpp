@@ -120,40 +120,54 @@ bool PostReplicateHookHandle::active() const {
   return r.hooks.count(id_) != 0;
 }
 
+namespace detail {
 namespace {
-void check_module(const torch::nn::Module& module, const std::string& path, c10::Device device,
-                  int64_t replica_index, const char* api) {
-  auto check = [&](const std::string& name, const at::Tensor& t, const char* kind) {
-    if (!t.defined()) {
-      return;
+bool find_in(const torch::nn::Module& module, const std::string& path, c10::Device expected,
+             std::optional<Misplaced>& found) {
+  auto visit = [&](const std::string& key, const at::Tensor& t, const char* kind) {
+    if (!t.defined() || canonical(t.device()) == expected) {
+      return false;
     }
-    if (detail::canonical(t.device()) == device) {
-      return;
-    }
-    const auto qualified = path.empty() ? name : path + "." + name;
-    TORCH_CHECK(false, api, ": replica ", replica_index, " must live on ", device, ", but its ",
-                kind, " '", qualified, "' (module ", path.empty() ? "<root>" : path, ", type ",
-                module.name(), ") is on ", t.device(),
-                ". A post-replicate hook (or the module's own code) put it there; register a hook "
-                "with torchdp::register_post_replicate_hook that places it on the replica's device "
-                "(the `device` argument), e.g. `t = t.to(device)`");
+    found = Misplaced{path.empty() ? key : path + "." + key, path, module.name(), kind, t.device()};
+    return true;
   };
   for (const auto& p : module.named_parameters(/*recurse=*/false)) {
-    check(p.key(), p.value(), "parameter");
+    if (visit(p.key(), p.value(), "parameter")) {
+      return true;
+    }
   }
   for (const auto& b : module.named_buffers(/*recurse=*/false)) {
-    check(b.key(), b.value(), "buffer");
+    if (visit(b.key(), b.value(), "buffer")) {
+      return true;
+    }
   }
   for (const auto& c : module.named_children()) {
-    check_module(*c.value(), path.empty() ? c.key() : path + "." + c.key(), device, replica_index,
-                 api);
+    if (find_in(*c.value(), path.empty() ? c.key() : path + "." + c.key(), expected, found)) {
+      return true;
+    }
   }
+  return false;
 }
 } // namespace
 
+std::optional<Misplaced> find_misplaced(const torch::nn::Module& module, c10::Device expected) {
+  std::optional<Misplaced> found;
+  find_in(module, "", canonical(expected), found);
+  return found;
+}
+} // namespace detail
+
 void check_replica_devices(const torch::nn::Module& replica, c10::Device device,
                            int64_t replica_index, const char* api) {
-  check_module(replica, "", detail::canonical(device), replica_index, api);
+  const auto expected = detail::canonical(device);
+  const auto bad = detail::find_misplaced(replica, expected);
+  TORCH_CHECK(!bad, api, ": replica ", replica_index, " must live on ", expected, ", but its ",
+              bad->kind, " '", bad->name, "' (module ",
+              bad->module_path.empty() ? "<root>" : bad->module_path, ", type ", bad->module_type,
+              ") is on ", bad->device,
+              ". A post-replicate hook (or the module's own code) put it there; register a hook "
+              "with torchdp::register_post_replicate_hook that places it on the replica's device "
+              "(the `device` argument), e.g. `t = t.to(device)`");
 }
 
 } // namespace torchdp

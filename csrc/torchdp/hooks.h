@@ -10,6 +10,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -157,6 +158,20 @@ PostReplicateHookHandle register_post_replicate_hook(
     const torch::nn::ModuleHolder<ModuleType>& module, Fn fn) {
   return detail::register_instance_hook(module.ptr(), detail::typed<ModuleType>(std::move(fn)));
 }
+
+namespace detail {
+/// A registered tensor found on the wrong device.
+struct Misplaced {
+  std::string name;        // qualified name, e.g. "masked.mask"
+  std::string module_path; // qualified module name ("" for the root)
+  std::string module_type;
+  const char* kind;        // "parameter" or "buffer"
+  c10::Device device;
+};
+/// The first registered parameter or buffer of `module` (recursively, parameters before buffers,
+/// pre-order) that is not on `expected`.
+std::optional<Misplaced> find_misplaced(const torch::nn::Module& module, c10::Device expected);
+} // namespace detail
 
 /// The replica device check: every registered parameter and buffer of `replica` (recursively) must
 /// be on `device`. Raises a c10::Error naming the qualified tensor name, its device and the
