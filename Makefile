@@ -1,6 +1,10 @@
 # torchdp: the README's commands. Each target installs what is missing first.
-#   make test   build everything, run the C++ tests (ctest) and the installed-package check
-#   make demo   train a small masked model with torchdp::DataParallel and check it
+#   make test   build everything, run the C++ tests (ctest), the installed-package check and the
+#               Python tests (pytest, against the torchdp._C built in place into python/torchdp)
+#   make python build only the torchdp._C extension, in place (python/torchdp/_C*.so)
+#   make install-python   pip install --no-build-isolation -e . (the setup.py driven build)
+#   make demo   train a small masked model with torchdp.DataParallel (Python) and check it
+#   make demo-cpp   the same with torchdp::DataParallel in C++
 # TORCHDP_REQUIRE_CUDA=1 makes a GPU run fail instead of skipping its CUDA cases and requires the
 # CUDA and NCCL fast paths at configure time.
 
@@ -14,7 +18,8 @@ ifeq ($(TORCHDP_REQUIRE_CUDA),1)
 CUDA_ARGS := -DTORCHDP_WITH_CUDA=ON -DTORCHDP_WITH_NCCL=ON
 endif
 
-.PHONY: all deps configure build test test-cpp consumer demo demo-cpp clean
+.PHONY: all deps configure build test test-cpp consumer python test-python install-python demo \
+	demo-cpp clean
 
 all: build
 
@@ -36,12 +41,18 @@ deps:
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing >/dev/null; \
 	fi
+	@$(PYTHON) -c "import pytest, hypothesis" 2>/dev/null || { echo "== installing pytest hypothesis"; \
+	  $(PYTHON) -m pip install --quiet pytest hypothesis; }
 
+# The one build also builds the torchdp._C extension straight into python/torchdp, so that
+# PYTHONPATH=python imports it (the in-place build used by test-python).
 configure: deps
 	@prefix=$$($(PYTHON) -c "import torch.utils; print(torch.utils.cmake_prefix_path)"); \
 	gen=$$(command -v ninja >/dev/null && echo Ninja || echo "Unix Makefiles"); \
 	cmake -S . -B $(BUILD) -G "$$gen" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-	  -DCMAKE_PREFIX_PATH="$$prefix" -DPython3_EXECUTABLE=$$(command -v $(PYTHON)) \
+	  -DCMAKE_PREFIX_PATH="$$prefix" \
+	  -DPython3_EXECUTABLE=$$($(PYTHON) -c "import sys; print(sys.executable)") \
+	  -DTORCHDP_BUILD_PYTHON=ON -DTORCHDP_PYTHON_OUTPUT_DIR=$(CURDIR)/python/torchdp \
 	  -DCMAKE_INSTALL_PREFIX=$(CURDIR)/$(BUILD)/_install $(CUDA_ARGS) $(CMAKE_ARGS)
 
 build: configure
@@ -60,12 +71,31 @@ consumer: build
 	cmake --build $(BUILD)/consumer
 	$(BUILD)/consumer/torchdp_consumer
 
-test: test-cpp consumer
+# Only the extension (and the core library it links), in place into python/torchdp.
+python: configure
+	cmake --build $(BUILD) -j $(JOBS) --target _C
 
+# pytest exits with 5 when it collects no tests, which fails this target as it should.
+test-python: python
+	PYTHONPATH=$(CURDIR)/python $(PYTHON) -m pytest
+
+# The setup.py driven build, as a user installs it (editable: python/torchdp is the package).
+install-python: deps
+	MAX_JOBS=$(JOBS) TORCHDP_CMAKE_ARGS="$(strip $(CUDA_ARGS) $(TORCHDP_CMAKE_ARGS))" \
+	  $(PYTHON) -m pip install --no-build-isolation -e .
+
+test: test-cpp consumer test-python
+# One cmake --build at a time in $(BUILD) (each is parallel inside) even under make -j.
+.NOTPARALLEL: test
+
+# The Python example: a cplxmodule-style masked model trained with torchdp.DataParallel on all
+# GPUs (two CPU replicas without GPUs), checked against single-device training.
+demo: python
+	PYTHONPATH=$(CURDIR)/python $(PYTHON) examples/python/train_masked.py
+
+# The C++ example: the same idea with torchdp::DataParallel and a post-replicate hook.
 demo-cpp: build
 	$(BUILD)/examples/cpp/torchdp_example_train_masked
-
-demo: demo-cpp
 
 clean:
 	rm -rf $(BUILD)

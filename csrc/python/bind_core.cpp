@@ -1,0 +1,292 @@
+// The core section of torchdp._C (see API.md): runtime queries, device normalisation, the comm and
+// autograd transport functions and parallel_apply. Bindings only: every algorithm lives in the C++
+// core (csrc/torchdp), so that C++ users get the same behaviour.
+//
+// Errors and warnings: every binding runs inside torch's HANDLE_TH_ERRORS (through
+// torch::wrap_pybind_function_no_gil or explicitly), so c10::Error becomes RuntimeError,
+// c10::ValueError ValueError, c10::IndexError IndexError, ... exactly as for torch's own functions,
+// and TORCH_WARN becomes a Python UserWarning. The GIL is released while C++ works.
+
+#include "bindings.h"
+
+#include <torchdp/autograd.h>
+#include <torchdp/comm.h>
+#include <torchdp/devices.h>
+#include <torchdp/parallel_apply.h>
+
+#include <c10/util/Exception.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace py = pybind11;
+
+namespace torchdp::python {
+namespace {
+
+size_t checked_buffer_size(int64_t buffer_size, const char* api) {
+  TORCH_CHECK_VALUE(buffer_size > 0, api, ": buffer_size must be a positive number of bytes, got ",
+                    buffer_size);
+  return static_cast<size_t>(buffer_size);
+}
+
+// Note [Python callables on parallel_run workers]
+// parallel_apply runs fns[i]() on torchdp::parallel_run's worker i (fn 0 on the calling thread).
+// The calling thread releases the GIL while it waits; each task takes the GIL to call its function.
+// Python objects are only created, assigned and destroyed with the GIL held: the result slots and
+// the error slots are allocated before the GIL is released, are written by the tasks under the
+// GIL, and are read and destroyed after the GIL is back. A Python exception raised by fns[i] is
+// kept as (type, value, traceback) and never leaves the task as a C++ exception, so
+// parallel_run does not wrap it ("Caught ... in replica i"): the lowest-index Python exception is
+// re-raised as is, with its original type and traceback. Python callers that want PyTorch's
+// "Caught X in replica i on device d" wording wrap their fns (torch._utils.ExceptionWrapper).
+struct PythonError {
+  py::object type;
+  py::object value;
+  py::object trace;
+};
+
+py::list parallel_apply(const std::vector<py::function>& fns,
+                        const std::vector<c10::Device>& devices_in) {
+  constexpr const char* api = "torchdp.parallel_apply";
+  HANDLE_TH_ERRORS
+  TORCH_CHECK_VALUE(fns.size() == devices_in.size(), api, ": got ", fns.size(), " functions but ",
+                    devices_in.size(), " devices; pass one device per function");
+  const size_t n = fns.size();
+  py::list out;
+  if (n == 0) {
+    return out;
+  }
+  std::vector<c10::Device> devices;
+  std::vector<py::object> results(n);
+  std::vector<PythonError> python_errors(n);
+  // Set by tasks that failed with a C++ exception (which parallel_run rethrows, wrapped).
+  std::vector<char> cpp_failed(n, 0);
+  {
+    py::gil_scoped_release no_gil;
+    devices = normalize_devices(devices_in, api);
+    try {
+      parallel_run(n, devices, [&](size_t i) {
+        py::gil_scoped_acquire gil;
+        try {
+          results[i] = fns[i]();
+        } catch (py::error_already_set& e) {
+          python_errors[i] = PythonError{e.type(), e.value(), e.trace()};
+        } catch (...) {
+          cpp_failed[i] = 1;
+          throw;
+        }
+      });
+    } catch (...) {
+      // A C++ failure: it wins only when no lower-index task raised a Python exception.
+      size_t first_cpp = n;
+      for (size_t i = 0; i < n; ++i) {
+        if (cpp_failed[i]) {
+          first_cpp = i;
+          break;
+        }
+      }
+      bool python_first = false;
+      for (size_t i = 0; i < first_cpp; ++i) {
+        python_first = python_first || static_cast<bool>(python_errors[i].type); // no refcounting
+      }
+      if (!python_first) {
+        throw;
+      }
+    }
+  }
+  // The GIL is held again from here on.
+  for (size_t i = 0; i < n; ++i) {
+    if (python_errors[i].type) {
+      PyErr_Restore(python_errors[i].type.release().ptr(), python_errors[i].value.release().ptr(),
+                    python_errors[i].trace.release().ptr());
+      throw py::error_already_set();
+    }
+  }
+  for (auto& result : results) {
+    out.append(std::move(result));
+  }
+  return out;
+  END_HANDLE_TH_ERRORS_PYBIND
+}
+
+} // namespace
+
+void init_core(py::module_& m) {
+  using torch::wrap_pybind_function_no_gil;
+
+  m.def(
+      "has_cuda", wrap_pybind_function_no_gil([]() {
+        return torchdp::has_cuda();
+      }),
+      R"doc(True when torchdp was compiled with its CUDA fast paths and CUDA devices are visible.)doc");
+
+  m.def("has_nccl", wrap_pybind_function_no_gil([]() {
+          return torchdp::has_nccl();
+        }),
+        R"doc(True when torchdp was compiled with its NCCL transport.)doc");
+
+  m.def("cuda_device_count", wrap_pybind_function_no_gil([]() {
+          return torchdp::cuda_device_count();
+        }),
+        R"doc(The number of visible CUDA devices (0 on CPU-only builds or machines).)doc");
+
+  m.def(
+      "normalize_devices",
+      wrap_pybind_function_no_gil(
+          [](const std::vector<c10::Device>& devices, const std::string& api) {
+            return torchdp::normalize_devices(devices, api.c_str());
+          }),
+      py::arg("devices"), py::arg("api"),
+      R"doc(Normalises a device list the way every torchdp function does: ``cpu:0`` and ``meta:0`` become
+``cpu`` and ``meta``, ``cuda`` without an index becomes the current CUDA device. A device may
+appear more than once.
+
+Args:
+    devices (List[torch.device]): the devices.
+    api (str): the public API name used in error messages (e.g. ``"torchdp.replicate"``).
+
+Returns:
+    List[torch.device]: the normalised devices.
+
+Raises:
+    RuntimeError: for an empty list, an unsupported device type or a CUDA index that is not
+        visible; the message names ``api``, the device and the fix.)doc");
+
+  m.def(
+      "broadcast_coalesced",
+      wrap_pybind_function_no_gil([](const std::vector<at::Tensor>& tensors,
+                                     const std::vector<c10::Device>& devices, int64_t buffer_size,
+                                     bool differentiable) {
+        if (differentiable) {
+          return torchdp::autograd::broadcast_coalesced(
+              tensors, devices,
+              checked_buffer_size(buffer_size, "torchdp::autograd::broadcast_coalesced"));
+        }
+        return torchdp::comm::broadcast_coalesced(
+            tensors, devices,
+            checked_buffer_size(buffer_size, "torchdp::comm::broadcast_coalesced"));
+      }),
+      py::arg("tensors"), py::arg("devices"),
+      py::arg("buffer_size") = static_cast<int64_t>(torchdp::comm::kDefaultBufferSize),
+      py::arg("differentiable") = false,
+      R"doc(Copies ``tensors`` (all on ``devices[0]``) to every device of ``devices``, dense tensors in flat
+buckets of at most ``buffer_size`` bytes per dtype.
+
+Args:
+    tensors (List[Tensor]): tensors on ``devices[0]``.
+    devices (List[torch.device]): the target devices; may repeat a device.
+    buffer_size (int): the bucket size in bytes.
+    differentiable (bool): record autograd history (backward is a reduce-add of the gradients).
+
+Returns:
+    List[List[Tensor]]: one list per device. The list of ``devices[0]`` holds the inputs themselves
+    (``differentiable=False``) or tensors sharing their storage (``differentiable=True``); every
+    other copy has its own storage.
+
+Example::
+
+    >>> copies = torchdp._C.broadcast_coalesced([w, b], [torch.device("cuda", 0), torch.device("cuda", 1)])
+    >>> w1, b1 = copies[1])doc");
+
+  m.def("reduce_add_coalesced",
+        wrap_pybind_function_no_gil([](const std::vector<std::vector<at::Tensor>>& per_device,
+                                       c10::Device destination, int64_t buffer_size,
+                                       bool differentiable) {
+          if (differentiable) {
+            return torchdp::autograd::reduce_add_coalesced(
+                per_device, destination,
+                checked_buffer_size(buffer_size, "torchdp::autograd::reduce_add_coalesced"));
+          }
+          return torchdp::comm::reduce_add_coalesced(
+              per_device, destination,
+              checked_buffer_size(buffer_size, "torchdp::comm::reduce_add_coalesced"));
+        }),
+        py::arg("per_device"), py::arg("destination"),
+        py::arg("buffer_size") = static_cast<int64_t>(torchdp::comm::kDefaultBufferSize),
+        py::arg("differentiable") = false,
+        R"doc(Sums ``per_device[j][k]`` over ``j`` into one tensor per ``k`` on ``destination``.
+
+Args:
+    per_device (List[List[Tensor]]): one list per device, all of the same length; the k-th
+        tensors have the same size and dtype; each list lives on one device.
+    destination (torch.device): where the sums go.
+    buffer_size (int): the bucket size in bytes.
+    differentiable (bool): record autograd history (backward is a broadcast of the gradient).
+
+Returns:
+    List[Tensor]: the sums, each with its own storage.)doc");
+
+  m.def("scatter",
+        wrap_pybind_function_no_gil([](const at::Tensor& tensor,
+                                       const std::vector<c10::Device>& devices,
+                                       const std::optional<std::vector<int64_t>>& chunk_sizes,
+                                       int64_t dim, bool differentiable) {
+          if (differentiable) {
+            return torchdp::autograd::scatter(tensor, devices, chunk_sizes, dim);
+          }
+          return torchdp::comm::scatter(tensor, devices, chunk_sizes, dim);
+        }),
+        py::arg("tensor"), py::arg("devices"), py::arg("chunk_sizes") = py::none(),
+        py::arg("dim") = 0, py::arg("differentiable") = true,
+        R"doc(Splits ``tensor`` along ``dim`` and puts chunk ``i`` on ``devices[i]``.
+
+Args:
+    tensor (Tensor): the tensor to split (at least one dimension).
+    devices (List[torch.device]): the target devices.
+    chunk_sizes (List[int], optional): the size of each chunk along ``dim``; they must add up to
+        ``tensor.size(dim)``. Without it the split is ``tensor.chunk(len(devices), dim)``, which can
+        give fewer chunks than devices (a batch of 5 on 4 devices gives 3 chunks).
+    dim (int): the dimension to split.
+    differentiable (bool): record autograd history (backward gathers the gradients).
+
+Returns:
+    List[Tensor]: the chunks; a chunk already on its target device shares the input's storage.)doc");
+
+  m.def("gather",
+        wrap_pybind_function_no_gil([](const std::vector<at::Tensor>& tensors,
+                                       c10::Device destination, int64_t dim, bool differentiable) {
+          if (differentiable) {
+            return torchdp::autograd::gather(tensors, destination, dim);
+          }
+          return torchdp::comm::gather(tensors, destination, dim);
+        }),
+        py::arg("tensors"), py::arg("destination"), py::arg("dim") = 0,
+        py::arg("differentiable") = true,
+        R"doc(Concatenates ``tensors`` along ``dim`` on ``destination``.
+
+Args:
+    tensors (List[Tensor]): the tensors; all dimensions but ``dim`` must agree.
+    destination (torch.device): where the result goes.
+    dim (int): the dimension to concatenate along.
+    differentiable (bool): record autograd history (backward scatters the gradient).
+
+Returns:
+    Tensor: the concatenation. With ``differentiable=True``, 0-dim inputs gathered along dimension
+    0 give a vector with one entry per input and a ``UserWarning``, as ``torch.nn.parallel``'s
+    ``Gather`` does.)doc");
+
+  m.def(
+      "parallel_apply", &parallel_apply, py::arg("fns"), py::arg("devices"),
+      R"doc(Calls ``fns[i]()`` for every ``i`` in parallel, on torchdp's persistent worker ``i`` (``fns[0]`` on
+the calling thread), with ``devices[i]`` as the current device and the caller's current stream,
+grad mode and autocast state. The GIL is released while waiting and taken by each worker to call
+its function.
+
+Args:
+    fns (List[Callable[[], object]]): the functions, one per device.
+    devices (List[torch.device]): the devices, one per function.
+
+Returns:
+    List[object]: ``[fns[0](), fns[1](), ...]`` in order.
+
+Raises:
+    Exception: when functions raise, the exception of the lowest index is re-raised as is (same
+        type, same traceback). Wrap the functions to report "Caught X in replica i on device d".
+    ValueError: when ``len(fns) != len(devices)``.)doc");
+}
+
+} // namespace torchdp::python

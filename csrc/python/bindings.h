@@ -1,0 +1,25 @@
+#pragma once
+
+// Shared declarations of the torchdp._C extension (csrc/python). Every binding translation unit
+// includes this header first, so that all of them see the same pybind11 type casters: torch's
+// (torch.Tensor <-> at::Tensor, torch.device <-> c10::Device, ...) from
+// <torch/csrc/utils/pybind.h>, which also brings <pybind11/pybind11.h> and <pybind11/stl.h>
+// (std::vector, std::optional, ...). The pybind11 headers are the ones inside torch's include
+// folder (see the Python section of the top-level CMakeLists.txt), so the module's pybind11 ABI is
+// torch's.
+
+#include <torch/csrc/Exceptions.h> // HANDLE_TH_ERRORS, torch::wrap_pybind_function_no_gil
+#include <torch/csrc/utils/pybind.h>
+
+#include <pybind11/stl.h>
+
+namespace torchdp::python {
+
+/// The core section of torchdp._C (csrc/python/bind_core.cpp): runtime queries, device
+/// normalisation, the comm / autograd transport functions and parallel_apply.
+void init_core(pybind11::module_& m);
+
+/// Python nn.Module replication (csrc/python/replicate_py.cpp): replicate, check_replica_devices.
+void init_replicate(pybind11::module_& m);
+
+} // namespace torchdp::python

@@ -1,0 +1,23 @@
+// The torchdp._C extension module: only the module definition; the bindings live in
+// bind_core.cpp (core) and replicate_py.cpp (nn.Module replication). See API.md for the interface.
+
+#include "bindings.h"
+
+#include <torchdp/config.h>
+
+#ifndef TORCH_EXTENSION_NAME
+#define TORCH_EXTENSION_NAME _C
+#endif
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // torch must be imported before anything touches torch's Python types (THPVariableClass is set
+  // when torch._C initialises). torchdp/__init__.py imports torch first; this covers a direct
+  // `import torchdp._C`.
+  pybind11::module_::import("torch");
+
+  m.doc() = "torchdp._C: C++ core of torchdp (DataParallel for LibTorch), bound with pybind11.";
+  m.attr("__version__") = TORCHDP_VERSION;
+
+  torchdp::python::init_core(m);
+  torchdp::python::init_replicate(m);
+}

@@ -1,0 +1,46 @@
+# Type stubs for torchdp._C, the pybind11 extension (see csrc/python/API.md).
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor, nn
+
+__version__: str
+
+def has_cuda() -> bool: ...
+def has_nccl() -> bool: ...
+def cuda_device_count() -> int: ...
+def normalize_devices(devices: Sequence[torch.device], api: str) -> list[torch.device]: ...
+def broadcast_coalesced(
+    tensors: Sequence[Tensor],
+    devices: Sequence[torch.device],
+    buffer_size: int = 10485760,
+    differentiable: bool = False,
+) -> list[list[Tensor]]: ...
+def reduce_add_coalesced(
+    per_device: Sequence[Sequence[Tensor]],
+    destination: torch.device,
+    buffer_size: int = 10485760,
+    differentiable: bool = False,
+) -> list[Tensor]: ...
+def scatter(
+    tensor: Tensor,
+    devices: Sequence[torch.device],
+    chunk_sizes: Sequence[int] | None = None,
+    dim: int = 0,
+    differentiable: bool = True,
+) -> list[Tensor]: ...
+def gather(
+    tensors: Sequence[Tensor],
+    destination: torch.device,
+    dim: int = 0,
+    differentiable: bool = True,
+) -> Tensor: ...
+def parallel_apply(
+    fns: Sequence[Callable[[], object]], devices: Sequence[torch.device]
+) -> list[object]: ...
+def replicate(
+    network: nn.Module, devices: Sequence[torch.device], detach: bool = False
+) -> list[list[nn.Module]]: ...
+def check_replica_devices(
+    copies: Sequence[Sequence[nn.Module]], devices: Sequence[torch.device], api: str
+) -> None: ...

@@ -1,0 +1,359 @@
+"""``torchdp.DataParallel`` and ``torchdp.data_parallel``, drop-ins for ``torch.nn.DataParallel``
+and ``torch.nn.parallel.data_parallel``."""
+
+from __future__ import annotations
+
+import importlib
+import operator
+import warnings
+from collections.abc import Sequence
+from itertools import chain
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+from torch._utils import (
+    _get_all_device_indices,
+    _get_available_device_type,
+    _get_device_index,
+    _get_devices_properties,
+)
+
+from torchdp.parallel_apply import parallel_apply
+from torchdp.replicate import replicate
+from torchdp.scatter_gather import DeviceLike, _to_device, _to_devices, gather, scatter_kwargs
+
+__all__ = ["DataParallel", "data_parallel"]
+
+T = TypeVar("T", bound=nn.Module)
+
+# The class torchdp.DataParallel derives from, captured before torchdp.patch_torch() can replace
+# torch.nn.DataParallel (importlib: the attribute torch.nn.parallel.data_parallel is the
+# function, which shadows the submodule), so isinstance(dp, torch.nn.DataParallel) holds with
+# or without the patch.
+_TorchDataParallel = importlib.import_module("torch.nn.parallel.data_parallel").DataParallel
+
+_IMBALANCE_WARNING = """
+    There is an imbalance between your GPUs. You may want to exclude GPU {} which
+    has less than 75% of the memory or cores of GPU {}. You can do so by setting
+    the device_ids argument to DataParallel, or by setting the CUDA_VISIBLE_DEVICES
+    environment variable."""
+
+
+def _check_balance(device_ids: Sequence[int]) -> None:
+    """Warns (once) when a GPU has less than 75% of the memory, or else of the SMs, of another."""
+    properties = _get_devices_properties(list(device_ids))
+    for attribute in ("total_memory", "multi_processor_count"):
+        values = [getattr(p, attribute) for p in properties]
+        low = min(range(len(values)), key=values.__getitem__)
+        high = max(range(len(values)), key=values.__getitem__)
+        if values[low] / values[high] < 0.75:
+            warnings.warn(
+                _IMBALANCE_WARNING.format(device_ids[low], device_ids[high]), stacklevel=3
+            )
+            return
+
+
+def _output_device_of(output_device: Any, api: str) -> torch.device:
+    """The output device of an explicit ``devices=`` list: the CPU is allowed ('cpu' or -1)."""
+    if (
+        isinstance(output_device, int)
+        and not isinstance(output_device, bool)
+        and (output_device == -1)
+    ):
+        return torch.device("cpu")
+    return _to_device(output_device, api)
+
+
+def _explicit_devices(devices: Sequence[DeviceLike], api: str) -> list[torch.device]:
+    device_list = _to_devices(devices, api)
+    if not device_list:
+        raise ValueError(f"{api}: devices= must name at least one device, got an empty list")
+    return device_list
+
+
+def _check_module_device(
+    module: nn.Module, src_device: torch.device
+) -> tuple[str, str, torch.device] | None:
+    """The first parameter or buffer not on ``src_device``, as (kind, qualified name, device)."""
+    for t in chain(module.parameters(), module.buffers()):
+        if t.device != src_device:
+            break
+    else:
+        return None
+    # Only on failure: find the qualified name of the first offending tensor.
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if p.device != src_device:
+            return "parameter", name, p.device
+    for name, b in module.named_buffers(remove_duplicate=False):
+        if b.device != src_device:
+            return "buffer", name, b.device
+    return "tensor", "?", t.device  # pragma: no cover - both walks see the same tensors
+
+
+def _device_error(
+    src_device: torch.device, found: tuple[str, str, torch.device], wrapper: bool
+) -> RuntimeError:
+    kind, name, device = found
+    target = repr(str(src_device))
+    if wrapper:
+        fix = (
+            f"call model.to({target}) (or .to({target}) on the DataParallel wrapper) before the "
+            "forward, or pass place_module=True to torchdp.DataParallel to have it moved at the "
+            "first forward"
+        )
+    else:
+        fix = f"call module.to({target}) before data_parallel()"
+    # PyTorch's message first (tests match it), then what torchdp adds.
+    return RuntimeError(
+        "module must have its parameters and buffers "
+        f"on device {src_device} (device_ids[0]) but found one of "
+        f"them on device: {device} ({kind} '{name}'). Fix: {fix}."
+    )
+
+
+class DataParallel(_TorchDataParallel[T]):
+    r"""Implements data parallelism at the module level: a drop-in for
+    :class:`torch.nn.DataParallel`, backed by torchdp's C++ data-parallel machinery.
+
+    The input is split across the devices along :attr:`dim` (other objects are passed to every
+    device by reference), the module is replicated on each device in every forward, each replica
+    runs on its chunk on a persistent worker, and the outputs are gathered on
+    :attr:`output_device`. In the backward pass the gradients of all replicas are summed into the
+    original module's parameters. The replica on ``device_ids[0]`` shares storage with
+    :attr:`module`, so in-place buffer updates there (BatchNorm running statistics) persist.
+
+    Constructor, attributes, overridable methods (:meth:`replicate`, :meth:`scatter`,
+    :meth:`parallel_apply`, :meth:`gather`), messages and exception types follow
+    :class:`torch.nn.DataParallel`; ``isinstance(dp, torch.nn.DataParallel)`` is true. On top:
+
+    * registered post-replicate hooks (:func:`torchdp.register_post_replicate_hook`) and
+      ``__data_parallel_replicate__`` callbacks run on every replica, and every replica's
+      parameters and buffers are checked to be on its device (a custom ``__setattr__`` that
+      swallows replicate's assignment is repaired, with a warning);
+    * the device error of the first forward names the offending parameter and the fix;
+    * ``devices=`` runs the full machinery on an explicit device list, CPU and meta included.
+
+    Args:
+        module (Module): module to be parallelized.
+        device_ids (list of int or torch.device): CUDA devices (default: all devices).
+        output_device (int or torch.device): device location of output (default:
+            ``device_ids[0]``); ``-1`` means the CPU.
+        dim (int): the dimension inputs are split along and outputs concatenated along.
+            Default: ``0``.
+        devices (list of torch.device, keyword-only): an explicit device list (cpu, meta or cuda;
+            a device may repeat) used instead of :attr:`device_ids`, even without an accelerator.
+            Then ``device_ids`` is this list of ``torch.device``, ``src_device_obj`` is
+            ``devices[0]`` and :attr:`output_device` (default ``devices[0]``) may be the CPU.
+        place_module (bool, keyword-only): move :attr:`module` to ``device_ids[0]`` at the first
+            forward instead of raising when it is elsewhere. Default: ``False``.
+
+    Attributes:
+        module (Module): the module to be parallelized.
+
+    Example::
+
+        >>> net = torchdp.DataParallel(model, device_ids=[0, 1, 2])
+        >>> output = net(input_var)  # input_var can be on any device, including CPU
+        >>> cpu_net = torchdp.DataParallel(model, devices=[torch.device("cpu")] * 2)
+    """
+
+    def __init__(
+        self,
+        module: T,
+        device_ids: Sequence[int | torch.device] | None = None,
+        output_device: int | torch.device | None = None,
+        dim: int = 0,
+        *,
+        devices: Sequence[DeviceLike] | None = None,
+        place_module: bool = False,
+    ) -> None:
+        # Deliberately not torch.nn.DataParallel.__init__: the base class is only there for
+        # isinstance checks.
+        nn.Module.__init__(self)
+        torch._C._log_api_usage_once("torchdp.DataParallel")
+        self._place_module = bool(place_module)
+        self._placed = False
+
+        if devices is not None:
+            api = "torchdp.DataParallel"
+            if device_ids is not None:
+                raise ValueError(
+                    f"{api}: pass either device_ids= or devices=, not both "
+                    f"(got device_ids={device_ids!r} and devices={devices!r})"
+                )
+            device_list = _explicit_devices(devices, api)
+            self.dim = dim
+            self.module = module
+            self.device_ids = device_list
+            self.output_device = (
+                device_list[0] if output_device is None else _output_device_of(output_device, api)
+            )
+            self.src_device_obj = device_list[0]
+            if all(d.type == "cuda" for d in device_list) and torch.cuda.is_available():
+                _check_balance([operator.index(d.index) for d in device_list])
+            if len(device_list) == 1:
+                self.module.to(self.src_device_obj)
+            return
+
+        device_type = _get_available_device_type()
+        if device_type is None or device_type == "mps":
+            # No accelerator: a passthrough wrapper, exactly like torch.nn.DataParallel
+            # (dim, output_device and src_device_obj are not set).
+            self.module = module
+            self.device_ids = []
+            return
+
+        if device_ids is None:
+            device_ids = _get_all_device_indices()
+        if device_ids is None:
+            raise RuntimeError("no available devices were found")
+        if output_device is None:
+            output_device = device_ids[0]
+
+        self.dim = dim
+        self.module = module
+        self.device_ids = [_get_device_index(x, True) for x in device_ids]
+        self.output_device = _get_device_index(output_device, True)
+        self.src_device_obj = torch.device(device_type, self.device_ids[0])
+
+        if device_type == "cuda":
+            _check_balance(self.device_ids)
+
+        if len(self.device_ids) == 1:
+            self.module.to(self.src_device_obj)
+
+    def _check_or_place_module(self) -> None:
+        found = _check_module_device(self.module, self.src_device_obj)
+        if found is not None and self._place_module and not self._placed:
+            self.module.to(self.src_device_obj)
+            found = _check_module_device(self.module, self.src_device_obj)
+        self._placed = True
+        if found is not None:
+            raise _device_error(self.src_device_obj, found, wrapper=True)
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        with torch.autograd.profiler.record_function("DataParallel.forward"):
+            if not self.device_ids:
+                return self.module(*inputs, **kwargs)
+
+            self._check_or_place_module()
+
+            inputs, module_kwargs = self.scatter(inputs, kwargs, self.device_ids)
+            # A forward without arguments runs once, on device_ids[0].
+            if not inputs and not module_kwargs:
+                inputs = ((),)
+                module_kwargs = ({},)
+
+            if len(self.device_ids) == 1:
+                return self.module(*inputs[0], **module_kwargs[0])
+            replicas = self.replicate(self.module, self.device_ids[: len(inputs)])
+            outputs = self.parallel_apply(replicas, inputs, module_kwargs)
+            return self.gather(outputs, self.output_device)
+
+    def replicate(self, module: T, device_ids: Sequence[int | torch.device]) -> list[T]:
+        """Replicates :attr:`module` on :attr:`device_ids` (detached under ``torch.no_grad()``)."""
+        return replicate(module, device_ids, not torch.is_grad_enabled())
+
+    def scatter(
+        self,
+        inputs: tuple[Any, ...],
+        kwargs: dict[str, Any] | None,
+        device_ids: Sequence[int | torch.device],
+    ) -> Any:
+        """Splits positional and keyword arguments across :attr:`device_ids` along ``dim``."""
+        return scatter_kwargs(inputs, kwargs, device_ids, dim=self.dim)
+
+    def parallel_apply(
+        self, replicas: Sequence[T], inputs: Sequence[Any], kwargs: Any
+    ) -> list[Any]:
+        """Runs each replica on its chunk, replica ``i`` on ``device_ids[i]``."""
+        return parallel_apply(replicas, inputs, kwargs, self.device_ids[: len(replicas)])
+
+    def gather(self, outputs: Any, output_device: int | torch.device) -> Any:
+        """Concatenates the replicas' outputs on :attr:`output_device` along ``dim``."""
+        return gather(outputs, output_device, dim=self.dim)
+
+
+def data_parallel(
+    module: nn.Module,
+    inputs: Any,
+    device_ids: Sequence[int | torch.device] | None = None,
+    output_device: int | torch.device | None = None,
+    dim: int = 0,
+    module_kwargs: Any | None = None,
+    *,
+    devices: Sequence[DeviceLike] | None = None,
+) -> Any:
+    r"""Evaluates ``module(*inputs, **module_kwargs)`` in parallel across devices: the functional
+    form of :class:`DataParallel`, a drop-in for :func:`torch.nn.parallel.data_parallel`.
+
+    Unlike the class, it has no passthrough without an accelerator (``RuntimeError("device type
+    could not be determined")``, unless :attr:`devices` is given), never moves the module, and
+    always replicates differentiably, even under ``torch.no_grad()``.
+
+    Args:
+        module (Module): the module to evaluate in parallel.
+        inputs (Any): the positional inputs (a tuple) or the single input.
+        device_ids (list of int or torch.device): CUDA devices to replicate on (default: all).
+        output_device (int or torch.device): where the output goes; ``-1`` for the CPU
+            (default: ``device_ids[0]``).
+        dim (int): the dimension to split inputs and concatenate outputs along. Default: ``0``.
+        module_kwargs (dict, optional): keyword arguments for the module.
+        devices (list of torch.device, keyword-only): an explicit device list (cpu, meta or cuda;
+            a device may repeat) used instead of :attr:`device_ids`, even without an accelerator.
+
+    Returns:
+        The gathered output of the module, on :attr:`output_device`.
+
+    Example::
+
+        >>> out = torchdp.data_parallel(model, x, devices=[torch.device("cpu")] * 2)
+    """
+    if not isinstance(inputs, tuple):
+        inputs = (inputs,) if inputs is not None else ()
+
+    used_ids: list[Any]
+    if devices is not None:
+        api = "torchdp.data_parallel"
+        if device_ids is not None:
+            raise ValueError(
+                f"{api}: pass either device_ids= or devices=, not both "
+                f"(got device_ids={device_ids!r} and devices={devices!r})"
+            )
+        device_list = _explicit_devices(devices, api)
+        used_ids = list(device_list)
+        target: Any = (
+            device_list[0] if output_device is None else _output_device_of(output_device, api)
+        )
+        src_device = device_list[0]
+    else:
+        device_type = _get_available_device_type()
+        if device_type is None:
+            raise RuntimeError("device type could not be determined")
+        if device_ids is None:
+            device_ids = _get_all_device_indices()
+        if device_ids is None:
+            raise RuntimeError("no available devices were found")
+        if output_device is None:
+            output_device = device_ids[0]
+        used_ids = [_get_device_index(x, True) for x in device_ids]
+        target = _get_device_index(output_device, True)
+        src_device = torch.device(device_type, used_ids[0])
+
+    found = _check_module_device(module, src_device)
+    if found is not None:
+        raise _device_error(src_device, found, wrapper=False)
+
+    scattered, scattered_kwargs = scatter_kwargs(inputs, module_kwargs, used_ids, dim)
+    # A call without arguments runs once, on the first device.
+    if not scattered and not scattered_kwargs:
+        scattered = ((),)
+        scattered_kwargs = ({},)
+
+    if len(used_ids) == 1:
+        return module(*scattered[0], **scattered_kwargs[0])
+    used = used_ids[: len(scattered)]
+    replicas = replicate(module, used)
+    outputs = parallel_apply(replicas, scattered, scattered_kwargs, used)
+    return gather(outputs, target, dim)

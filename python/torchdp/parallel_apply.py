@@ -1,0 +1,148 @@
+"""Running replicas in parallel, as ``torch.nn.parallel.parallel_apply``.
+
+The replicas run on torchdp's persistent C++ workers (``torchdp._C.parallel_apply``): one worker
+per replica (replica 0 on the calling thread), each with its device current, the caller's current
+stream for that device, and the caller's grad mode and full autocast state (enabled flags, dtypes,
+cache). The GIL is released while the caller waits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch._utils import ExceptionWrapper
+
+from torchdp import _C
+from torchdp.scatter_gather import DeviceLike, _device_label, _to_device
+
+__all__ = ["get_a_var", "parallel_apply"]
+
+_API = "torchdp.parallel_apply"
+
+
+def get_a_var(obj: Any) -> torch.Tensor | None:
+    """The first tensor found in :attr:`obj` (tensors, lists, tuples, dict items), or ``None``."""
+    if isinstance(obj, torch.Tensor):
+        return obj
+    if isinstance(obj, (list, tuple)):
+        for item in obj:
+            found = get_a_var(item)
+            if found is not None:
+                return found
+    if isinstance(obj, dict):
+        for item in obj.items():
+            found = get_a_var(item)
+            if found is not None:
+                return found
+    return None
+
+
+class _Failure:
+    """A replica's exception, caught in its worker, re-raised by the caller."""
+
+    __slots__ = ("wrapper",)
+
+    def __init__(self, wrapper: ExceptionWrapper) -> None:
+        self.wrapper = wrapper
+
+
+def _replica_call(
+    index: int, module: nn.Module, input: Any, kwargs: dict[str, Any], label: int | str
+) -> Callable[[], Any]:
+    def run() -> Any:
+        try:
+            # A single object is the only argument (this also avoids slicing a tensor).
+            args = input if isinstance(input, (list, tuple)) else (input,)
+            return module(*args, **kwargs)
+        except Exception:
+            return _Failure(ExceptionWrapper(where=f"in replica {index} on device {label}"))
+
+    return run
+
+
+def _default_device(input: Any) -> torch.device:
+    # PyTorch uses the current device of the accelerator. Without CUDA, torchdp uses the device of
+    # the replica's first input tensor (the CPU when there is none) instead of failing.
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    found = get_a_var(input)
+    if found is not None:
+        return _to_device(found.device, _API)
+    return torch.device("cpu")
+
+
+def parallel_apply(
+    modules: Sequence[nn.Module],
+    inputs: Sequence[Any],
+    kwargs_tup: Sequence[dict[str, Any]] | None = None,
+    devices: Sequence[DeviceLike | None] | None = None,
+) -> list[Any]:
+    r"""Applies each module to its input in parallel, each on its device.
+
+    Same contract as :func:`torch.nn.parallel.parallel_apply`: :attr:`modules`, :attr:`inputs`,
+    :attr:`kwargs_tup` (if given) and :attr:`devices` (if given) must have the same length; an
+    input that is a list or tuple is the positional arguments, anything else is the only
+    argument. Grad mode and autocast state are carried into the workers. If replicas raise, the
+    exception of the lowest replica index is re-raised in the caller as
+    ``Caught <type> in replica <i> on device <d>.`` followed by the original traceback, with the
+    original exception type where possible (``torch._utils.ExceptionWrapper``).
+
+    Args:
+        modules (list of Module): the replicas.
+        inputs (list): one input (or tuple of positional arguments) per module.
+        kwargs_tup (list of dict, optional): keyword arguments per module. Default: none.
+        devices (list of int or torch.device, optional): the device of each module; ints are CUDA
+            indices. Default: the current CUDA device for every module (without CUDA, the device of
+            each input's first tensor, else the CPU).
+
+    Returns:
+        list: the output of each module, in order.
+
+    Example::
+
+        >>> outs = torchdp.parallel_apply(replicas, [x0, x1], None, [torch.device("cpu")] * 2)
+    """
+    if len(modules) != len(inputs):
+        raise AssertionError(
+            f"The number of modules {len(modules)} is not equal to "
+            f"the number of inputs {len(inputs)}"
+        )
+    if kwargs_tup is not None:
+        if len(modules) != len(kwargs_tup):
+            raise AssertionError(
+                f"The number of modules {len(modules)} is not equal to "
+                f"the number of kwargs_tup {len(kwargs_tup)}"
+            )
+    else:
+        kwargs_tup = ({},) * len(modules)
+    if devices is not None:
+        if len(modules) != len(devices):
+            raise AssertionError(
+                f"The number of modules {len(modules)} is not equal to "
+                f"the number of devices {len(devices)}"
+            )
+        device_list = [
+            _default_device(inputs[i]) if d is None else _to_device(d, _API)
+            for i, d in enumerate(devices)
+        ]
+    else:
+        device_list = [_default_device(inp) for inp in inputs]
+    if not modules:
+        return []
+
+    fns = [
+        _replica_call(i, module, inp, kw, _device_label(dev))
+        for i, (module, inp, kw, dev) in enumerate(
+            zip(modules, inputs, kwargs_tup, device_list, strict=True)
+        )
+    ]
+    results = _C.parallel_apply(fns, device_list)
+    outputs = []
+    for result in results:
+        if isinstance(result, _Failure):
+            result.wrapper.reraise()
+        outputs.append(result)
+    return outputs

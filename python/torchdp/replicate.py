@@ -1,0 +1,161 @@
+"""Replication of Python modules, as ``torch.nn.parallel.replicate``, plus hooks and callbacks.
+
+The copies are built in C++ by ``torchdp._C.replicate`` (PyTorch's algorithm: one
+``_replicate_for_data_parallel()`` copy per module and device, children -> parameters -> buffers
+wired through ``setattr``, parameters broadcast differentiably unless detached, buffers
+differentiably only when they require grad, device-0 storage shared with the original, and a
+direct-placement fallback when a custom ``__setattr__`` swallows an assignment). This module then
+runs, in order:
+
+1. the registered post-replicate hooks (:mod:`torchdp.hooks`),
+2. the ``__data_parallel_replicate__(ctx, copy_id)`` callbacks of modules that define them (the
+   Synchronized-BatchNorm convention, so SyncBN works without ``DataParallelWithCallback``),
+3. the replica device check (``torchdp._C.check_replica_devices``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import TypeVar, cast
+
+import torch
+from torch import nn
+
+from torchdp import _C
+from torchdp.hooks import ReplicaContext, _has_hooks, _hooks_for
+from torchdp.scatter_gather import DeviceLike, _to_devices
+
+__all__ = ["replicate"]
+
+T = TypeVar("T", bound=nn.Module)
+
+_API = "torchdp.replicate"
+
+
+class CallbackContext:
+    """The context object of ``__data_parallel_replicate__`` callbacks: an empty namespace, one per
+    module position, shared by the copies of that module (as in Synchronized-BatchNorm)."""
+
+
+def _is_script_module(module: nn.Module) -> bool:
+    return isinstance(module, torch.jit.ScriptModule)
+
+
+def _replicatable(module: nn.Module, seen: set[int] | None = None) -> bool:
+    # A ScriptModule whose descendants include plain Python modules cannot be replicated
+    # (the same rule as torch.nn.parallel.replicate._replicatable_module).
+    if not torch.jit._state._enabled:
+        return True
+    if seen is None:
+        seen = set()
+    seen.add(id(module))
+    if _is_script_module(module):
+        below: Iterator[nn.Module] = module.modules()
+        next(below)  # the module itself
+        descendants = list(below)
+        seen.update(id(m) for m in descendants)
+        return all(_is_script_module(m) for m in descendants)
+    for child in module.children():
+        if id(child) in seen:
+            continue
+        if not _replicatable(child, seen):
+            return False
+    return True
+
+
+def _module_paths(network: nn.Module) -> dict[int, str]:
+    # Qualified names in network.named_modules() order; the first name of a shared module wins.
+    return {id(m): name for name, m in network.named_modules()}
+
+
+def _run_post_replicate_hooks(
+    modules: list[nn.Module],
+    copies: list[list[nn.Module]],
+    devices: list[torch.device],
+    network: nn.Module,
+) -> None:
+    hooks = [_hooks_for(m) for m in modules]
+    if not any(hooks):
+        return
+    paths = _module_paths(network)
+    contexts = [
+        ReplicaContext(paths.get(id(m), ""), devices) if entries else None
+        for m, entries in zip(modules, hooks, strict=True)
+    ]
+    # Replica-major, master copy first; within a replica in module order; hooks in registration
+    # order (the same order as the C++ registry).
+    for j, device in enumerate(devices):
+        for p, entries in enumerate(hooks):
+            for entry in entries:
+                try:
+                    entry.hook(copies[j][p], modules[p], device, j, contexts[p])
+                except Exception as e:
+                    path = paths.get(id(modules[p]), "") or "<root>"
+                    raise RuntimeError(
+                        f"{_API}: {entry.description} failed on module '{path}' (type "
+                        f"{type(modules[p]).__qualname__}) of replica {j} on device {device}: "
+                        f"{type(e).__name__}: {e}"
+                    ) from e
+
+
+def _run_replication_callbacks(copies: list[list[nn.Module]]) -> None:
+    # Synchronized-BatchNorm's execute_replication_callbacks: one ctx per module position, shared
+    # by all copies; the master copy (copy_id 0) of every module first, then replica 1, ...
+    if not copies:
+        return
+    positions = len(copies[0])
+    callbacks = [
+        p for p in range(positions) if hasattr(copies[0][p], "__data_parallel_replicate__")
+    ]
+    if not callbacks:
+        return
+    contexts = {p: CallbackContext() for p in callbacks}
+    for copy_id, replica_modules in enumerate(copies):
+        for p in callbacks:
+            replica_modules[p].__data_parallel_replicate__(contexts[p], copy_id)
+
+
+def replicate(
+    network: T,
+    devices: Sequence[DeviceLike],
+    detach: bool = False,
+) -> list[T]:
+    r"""Replicates a module on each device, as :func:`torch.nn.parallel.replicate`.
+
+    Each replica is built with ``module._replicate_for_data_parallel()`` for every submodule;
+    its parameters are copies on the replica's device (non-leaf tensors whose gradients flow back
+    to the original parameters, unless :attr:`detach`), its buffers are copies (differentiable only
+    when they require grad), and replica 0 shares storage with :attr:`network` when
+    ``devices[0]`` is the network's device. Shared submodules and parameters stay shared inside
+    each replica. Registered post-replicate hooks and ``__data_parallel_replicate__`` callbacks
+    run next, then every registered parameter and buffer of every replica is checked to be on its
+    replica's device.
+
+    Args:
+        network (Module): the module to replicate; its parameters and buffers must be on
+            ``devices[0]``.
+        devices (list of int or torch.device): one device per replica; ints are CUDA indices;
+            CPU and meta devices are accepted and may repeat.
+        detach (bool, optional): replicate without autograd history. Default: ``False``.
+
+    Returns:
+        list of Module: the root replica for each device.
+
+    Example::
+
+        >>> replicas = torchdp.replicate(model, [torch.device("cpu")] * 2)
+        >>> replicas[1](x)
+    """
+    if not _replicatable(network):
+        raise RuntimeError(
+            "Cannot replicate network where python modules are children of ScriptModule"
+        )
+    if not devices:
+        return []
+    device_list = _to_devices(devices, _API)
+    copies: list[list[nn.Module]] = _C.replicate(network, device_list, bool(detach))
+    if _has_hooks():
+        _run_post_replicate_hooks(list(network.modules()), copies, device_list, network)
+    _run_replication_callbacks(copies)
+    _C.check_replica_devices(copies, device_list, _API)
+    return [cast(T, copies[j][0]) for j in range(len(device_list))]

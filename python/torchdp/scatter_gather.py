@@ -1,0 +1,280 @@
+"""Scatter and gather of nested inputs and outputs, as ``torch.nn.parallel.scatter_gather``.
+
+Tensors travel through ``torchdp._C.scatter`` / ``torchdp._C.gather``, which are differentiable C++
+autograd nodes that also work on CPU and meta device lists. The structure around them (tuples,
+lists, dicts, named tuples, anything else by reference) is handled here with PyTorch's rules.
+
+This module also holds the small device helpers the other modules of the package share.
+"""
+
+from __future__ import annotations
+
+import operator
+import warnings
+from collections.abc import Sequence
+from typing import Any, TypeVar, overload
+
+import torch
+
+from torchdp import _C
+
+__all__ = ["scatter", "scatter_kwargs", "gather"]
+
+DeviceLike = int | str | torch.device
+
+# ---------------------------------------------------------------------------------------------
+# Device helpers (internal)
+# ---------------------------------------------------------------------------------------------
+
+_INDEXLESS_TYPES = ("cpu", "meta")
+
+
+def _current_cuda_device(api: str) -> torch.device:
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            f"{api}: a CUDA device without an index (or None) means the current CUDA device, "
+            "but CUDA is not available; pass an explicit device such as torch.device('cpu')"
+        )
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _to_device(device: Any, api: str) -> torch.device:
+    """Converts one entry of a device list to a canonical ``torch.device``.
+
+    ints are CUDA indices (as in ``torch.nn.DataParallel``), strings are parsed by
+    ``torch.device``, ``cpu:0``/``meta:0`` lose their index (tensors report ``cpu``/``meta``), and a
+    CUDA device without an index (or ``None``) is the current CUDA device.
+    """
+    if device is None:
+        return _current_cuda_device(api)
+    if isinstance(device, str):
+        try:
+            device = torch.device(device)
+        except RuntimeError as e:
+            raise ValueError(f"{api}: {device!r} is not a device: {e}") from e
+    if isinstance(device, torch.device):
+        if device.type in _INDEXLESS_TYPES:
+            return torch.device(device.type)
+        if device.type == "cuda" and device.index is None:
+            return _current_cuda_device(api)
+        return device
+    if isinstance(device, bool):
+        raise TypeError(f"{api}: expected a device (int, str or torch.device), got {device!r}")
+    try:
+        index = operator.index(device)
+    except TypeError:
+        raise TypeError(
+            f"{api}: expected a device (int, str or torch.device), got "
+            f"{type(device).__qualname__} {device!r}"
+        ) from None
+    if index < 0:
+        raise ValueError(
+            f"{api}: device index {index} is negative; use a CUDA index >= 0, or "
+            "torch.device('cpu') for the CPU"
+        )
+    return torch.device("cuda", index)
+
+
+def _to_devices(devices: Sequence[Any], api: str) -> list[torch.device]:
+    """Converts a device list with :func:`_to_device`; repeated devices are kept."""
+    if isinstance(devices, (str, torch.device, int)):
+        raise TypeError(
+            f"{api}: expected a list of devices, got a single device {devices!r}; "
+            f"wrap it in a list: [{devices!r}]"
+        )
+    return [_to_device(d, api) for d in devices]
+
+
+def _device_label(device: torch.device) -> int | str:
+    """How ``torch.nn.parallel`` prints a device in messages: the index for CUDA devices."""
+    if device.type == "cuda" and device.index is not None:
+        return device.index
+    return str(device)
+
+
+# ---------------------------------------------------------------------------------------------
+# Structure helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def _is_namedtuple(obj: Any) -> bool:
+    # collections.namedtuple and typing.NamedTuple instances.
+    return isinstance(obj, tuple) and hasattr(obj, "_asdict") and hasattr(obj, "_fields")
+
+
+def _scatter_map(obj: Any, devices: list[torch.device], dim: int) -> Any:
+    # A plain recursive function (not a closure), so no reference cycle is left behind.
+    if isinstance(obj, torch.Tensor):
+        return tuple(_C.scatter(obj, devices, None, dim, True))
+    if _is_namedtuple(obj):
+        parts = [_scatter_map(x, devices, dim) for x in obj]
+        return [type(obj)(*args) for args in zip(*parts, strict=False)]
+    if isinstance(obj, tuple) and len(obj) > 0:
+        parts = [_scatter_map(x, devices, dim) for x in obj]
+        return list(zip(*parts, strict=False))
+    if isinstance(obj, list) and len(obj) > 0:
+        parts = [_scatter_map(x, devices, dim) for x in obj]
+        return [list(chunk) for chunk in zip(*parts, strict=False)]
+    if isinstance(obj, dict) and len(obj) > 0:
+        parts = [_scatter_map(item, devices, dim) for item in obj.items()]
+        return [type(obj)(pairs) for pairs in zip(*parts, strict=False)]
+    # Everything else (None, numbers, strings, empty containers, dataclasses, custom objects):
+    # the same object, by reference, for every device.
+    return [obj for _ in devices]
+
+
+T = TypeVar("T", dict, list, tuple)
+
+
+@overload
+def scatter(
+    inputs: torch.Tensor, target_gpus: Sequence[DeviceLike], dim: int = ...
+) -> tuple[torch.Tensor, ...]: ...
+
+
+@overload
+def scatter(inputs: T, target_gpus: Sequence[DeviceLike], dim: int = ...) -> list[T]: ...
+
+
+def scatter(inputs: Any, target_gpus: Sequence[DeviceLike], dim: int = 0) -> Any:
+    r"""Slices tensors into approximately equal chunks and distributes them across devices.
+
+    Same rules as :func:`torch.nn.parallel.scatter`: tensors are split with ``torch.chunk``
+    semantics along :attr:`dim` (so there may be fewer chunks than devices), tuples, lists, dicts
+    (dict subclasses are rebuilt with ``type(obj)(pairs)``) and named tuples are rebuilt per chunk,
+    ``zip`` truncates to the shortest branch, and every other object is passed to each device by
+    reference. The split is differentiable: the gradient of each chunk flows back to the input.
+
+    Args:
+        inputs (Any): a tensor or a nested structure holding tensors.
+        target_gpus (list of int or torch.device): the devices; ints are CUDA indices,
+            ``torch.device('cpu')`` and ``torch.device('meta')`` are accepted and may repeat.
+        dim (int, optional): the dimension to split along. Default: ``0``.
+
+    Returns:
+        A tuple of chunks for a tensor input, otherwise a list with one rebuilt structure per
+        chunk.
+
+    Example::
+
+        >>> chunks = torchdp.scatter((torch.randn(4, 2), "tag"), [torch.device("cpu")] * 2)
+        >>> [c[0].shape[0] for c in chunks], chunks[1][1]
+        ([2, 2], 'tag')
+    """
+    devices = _to_devices(target_gpus, "torchdp.scatter")
+    return _scatter_map(inputs, devices, dim)
+
+
+def scatter_kwargs(
+    inputs: tuple[Any, ...],
+    kwargs: dict[str, Any] | None,
+    target_gpus: Sequence[DeviceLike],
+    dim: int = 0,
+) -> tuple[tuple[Any, ...], tuple[dict[str, Any], ...]]:
+    r"""Scatters positional and keyword arguments, as :func:`torch.nn.parallel.scatter_kwargs`.
+
+    Positional arguments and keyword arguments are scattered separately with :func:`scatter`;
+    the shorter side is padded with ``()`` (positional) or ``{}`` (keywords). As in PyTorch, the
+    keyword side is only padded when it has fewer chunks than there are positional *arguments*
+    (``len(inputs)``), not chunks.
+
+    Args:
+        inputs (tuple): the positional arguments.
+        kwargs (dict or None): the keyword arguments.
+        target_gpus (list of int or torch.device): the devices.
+        dim (int, optional): the dimension to split tensors along. Default: ``0``.
+
+    Returns:
+        ``(inputs_per_chunk, kwargs_per_chunk)``, two tuples.
+
+    Example::
+
+        >>> args, kws = torchdp.scatter_kwargs((torch.randn(4, 2),), {"scale": 2.0},
+        ...                                    [torch.device("cpu")] * 2)
+        >>> len(args), kws[1]["scale"]
+        (2, 2.0)
+    """
+    scattered_inputs: list[Any] = scatter(inputs, target_gpus, dim) if inputs else []
+    scattered_kwargs: list[Any] = scatter(kwargs, target_gpus, dim) if kwargs else []
+    if len(scattered_inputs) < len(scattered_kwargs):
+        scattered_inputs.extend(() for _ in range(len(scattered_kwargs) - len(scattered_inputs)))
+    elif len(scattered_kwargs) < len(inputs):
+        # PyTorch's comparison against len(inputs) (the number of positional arguments), kept.
+        scattered_kwargs.extend({} for _ in range(len(scattered_inputs) - len(scattered_kwargs)))
+    return tuple(scattered_inputs), tuple(scattered_kwargs)
+
+
+class _GatherTarget:
+    """The destination of a gather; remembers whether a tensor went to the CPU through -1."""
+
+    __slots__ = ("device", "minus_one", "used")
+
+    def __init__(self, target_device: Any) -> None:
+        self.minus_one = False
+        self.used = False
+        if isinstance(target_device, str) and target_device == "cpu":
+            self.device = torch.device("cpu")
+        elif (
+            isinstance(target_device, int)
+            and not isinstance(target_device, bool)
+            and (target_device == -1)
+        ):
+            self.device = torch.device("cpu")
+            self.minus_one = True
+        else:
+            self.device = _to_device(target_device, "torchdp.gather")
+
+
+def _gather_map(outputs: Sequence[Any], target: _GatherTarget, dim: int) -> Any:
+    out = outputs[0]
+    if isinstance(out, torch.Tensor):
+        target.used = True
+        return _C.gather(list(outputs), target.device, dim, True)
+    if out is None:
+        return None
+    if isinstance(out, dict):
+        if not all(len(out) == len(d) for d in outputs):
+            raise ValueError("All dicts must have the same number of keys")
+        return type(out)((k, _gather_map([d[k] for d in outputs], target, dim)) for k in out)
+    if _is_namedtuple(out):
+        return type(out)._make(
+            _gather_map(group, target, dim) for group in zip(*outputs, strict=True)
+        )
+    return type(out)(_gather_map(group, target, dim) for group in zip(*outputs, strict=True))
+
+
+def gather(outputs: Any, target_device: DeviceLike, dim: int = 0) -> Any:
+    r"""Gathers per-device outputs onto one device, as :func:`torch.nn.parallel.gather`.
+
+    Tensors are concatenated along :attr:`dim` (differentiably); 0-dim tensors gathered along
+    dim 0 become a vector, with PyTorch's UserWarning. ``None`` stays ``None``; dicts must have the
+    same number of keys (``ValueError`` otherwise) and keep their type; named tuples are rebuilt
+    with ``_make``; other sequences with ``type(out)(...)``.
+
+    Args:
+        outputs (sequence): one output structure per device.
+        target_device (int, str or torch.device): where to put the result. ``'cpu'`` (or
+            ``torch.device('cpu')``) for the CPU; ``-1`` also means the CPU but is deprecated
+            (FutureWarning), as in PyTorch.
+        dim (int, optional): the dimension to concatenate along. Default: ``0``.
+
+    Returns:
+        The gathered structure.
+
+    Example::
+
+        >>> outs = [torch.ones(2, 3), torch.zeros(1, 3)]
+        >>> torchdp.gather(outs, "cpu").shape
+        torch.Size([3, 3])
+    """
+    target = _GatherTarget(target_device)
+    result = _gather_map(outputs, target, dim)
+    if target.minus_one and target.used:
+        # torch.cuda.comm.gather's warning, once per call (PyTorch warns once per tensor).
+        warnings.warn(
+            "Using -1 to represent CPU tensor is deprecated. Please use a "
+            'device object or string instead, e.g., "cpu".',
+            FutureWarning,
+            stacklevel=2,
+        )
+    return result

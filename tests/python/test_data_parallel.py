@@ -1,0 +1,452 @@
+"""torchdp.DataParallel / torchdp.data_parallel: constructor, attributes, forward pipeline,
+error paths, overridable methods (CPU-only machine; CUDA is simulated where only the Python
+logic before any device work is tested)."""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import types
+import warnings
+
+import pytest
+import torch
+from dp_testing import cpu_devices
+from torch import nn
+
+import torchdp
+
+CPU = torch.device("cpu")
+META = torch.device("meta")
+dp_module = importlib.import_module("torchdp.data_parallel")
+
+no_accelerator = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="checks the behaviour without an accelerator"
+)
+
+DEVICE_MESSAGE = (
+    "module must have its parameters and buffers on device {} (device_ids[0]) but "
+    "found one of them on device: {}"
+)
+
+
+@pytest.fixture
+def simulated_cuda(monkeypatch):
+    """Makes the constructor believe two CUDA devices exist (no CUDA work is done)."""
+    monkeypatch.setattr(dp_module, "_get_available_device_type", lambda: "cuda")
+    monkeypatch.setattr(dp_module, "_get_all_device_indices", lambda: [0, 1])
+    monkeypatch.setattr(dp_module, "_check_balance", lambda ids: None)
+
+
+def _net():
+    return nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+
+
+# ---------------------------------------------------------------------------------------------
+# Constructor
+# ---------------------------------------------------------------------------------------------
+
+
+@no_accelerator
+def test_passthrough_without_accelerator():
+    net = _net()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dp = torchdp.DataParallel(net, device_ids=[0, 1], output_device="cpu")
+    assert dp.module is net and dp.device_ids == []
+    for attribute in ("dim", "output_device", "src_device_obj"):
+        with pytest.raises(AttributeError):
+            getattr(dp, attribute)
+    x = torch.randn(5, 4)
+    torch.testing.assert_close(dp(x), net(x))
+    assert isinstance(dp, torch.nn.DataParallel)
+
+
+def test_is_a_torch_data_parallel_and_a_module():
+    dp = torchdp.DataParallel(_net(), devices=cpu_devices(2))
+    assert isinstance(dp, torch.nn.DataParallel) and isinstance(dp, nn.Module)
+
+
+def test_cuda_constructor_attributes(simulated_cuda):
+    net = _net()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a CPU model: no warning, no error at construction
+        dp = torchdp.DataParallel(net)
+    assert dp.device_ids == [0, 1] and dp.output_device == 0 and dp.dim == 0
+    assert dp.src_device_obj == torch.device("cuda", 0)
+    assert net[0].weight.device == CPU  # several devices: never moved
+    dp = torchdp.DataParallel(net, device_ids=[torch.device("cuda:1"), 0], output_device=-1, dim=1)
+    assert dp.device_ids == [1, 0] and dp.output_device == -1 and dp.dim == 1
+    assert dp.src_device_obj == torch.device("cuda", 1)
+
+
+@pytest.mark.parametrize("output_device", ["cpu", CPU])
+def test_cpu_output_device_is_rejected_like_pytorch(simulated_cuda, output_device):
+    with pytest.raises(ValueError, match="Expected a non cpu device, but got: cpu"):
+        torchdp.DataParallel(_net(), device_ids=[0, 1], output_device=output_device)
+
+
+def test_no_devices_found(simulated_cuda, monkeypatch):
+    monkeypatch.setattr(dp_module, "_get_all_device_indices", lambda: None)
+    with pytest.raises(RuntimeError, match="no available devices were found"):
+        torchdp.DataParallel(_net())
+
+
+def test_cpu_model_fails_at_first_forward_with_the_name_and_the_fix(simulated_cuda):
+    dp = torchdp.DataParallel(_net(), device_ids=[0, 1])
+    with pytest.raises(RuntimeError) as info:
+        dp(torch.randn(4, 4))
+    message = str(info.value)
+    assert message.startswith(DEVICE_MESSAGE.format("cuda:0", "cpu"))
+    assert "parameter '0.weight'" in message
+    assert "model.to('cuda:0')" in message and "place_module=True" in message
+
+
+def test_check_balance_warns_once(monkeypatch):
+    props = [
+        types.SimpleNamespace(total_memory=100, multi_processor_count=10),
+        types.SimpleNamespace(total_memory=50, multi_processor_count=5),
+    ]
+    monkeypatch.setattr(dp_module, "_get_devices_properties", lambda ids: props)
+    with pytest.warns(
+        UserWarning,
+        match=r"There is an imbalance between your GPUs. You may want "
+        r"to exclude GPU 1 which\n    has less than 75% of the "
+        r"memory or cores of GPU 0",
+    ) as record:
+        dp_module._check_balance([0, 1])
+    assert len(record) == 1
+    props[1] = types.SimpleNamespace(total_memory=100, multi_processor_count=5)
+    with pytest.warns(UserWarning, match="exclude GPU 1"):
+        dp_module._check_balance([0, 1])
+    props[1] = types.SimpleNamespace(total_memory=90, multi_processor_count=9)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dp_module._check_balance([0, 1])
+
+
+def test_devices_keyword_attributes():
+    net = _net()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dp = torchdp.DataParallel(net, devices=[CPU, "cpu:0", torch.device("cpu")])
+    assert dp.device_ids == cpu_devices(3)
+    assert dp.src_device_obj == CPU and dp.output_device == CPU and dp.dim == 0
+    dp = torchdp.DataParallel(net, devices=[META, META], output_device="cpu")
+    assert dp.output_device == CPU and dp.src_device_obj == META
+    assert net[0].weight.device == CPU  # not moved with several devices
+    dp = torchdp.DataParallel(net, devices=[META, META], output_device=-1)
+    assert dp.output_device == CPU
+
+
+def test_devices_keyword_single_device_moves_the_module():
+    net = _net()
+    torchdp.DataParallel(net, devices=[META])
+    assert net[0].weight.device.type == "meta"
+
+
+def test_devices_keyword_errors():
+    with pytest.raises(
+        ValueError, match="torchdp.DataParallel: pass either device_ids= or devices=, not both"
+    ):
+        torchdp.DataParallel(_net(), device_ids=[0], devices=[CPU])
+    with pytest.raises(
+        ValueError,
+        match="torchdp.DataParallel: devices= must name at least one device, got an empty list",
+    ):
+        torchdp.DataParallel(_net(), devices=[])
+    with pytest.raises(TypeError, match="torchdp.DataParallel: expected a list of devices"):
+        torchdp.DataParallel(_net(), devices=CPU)
+    with pytest.raises(ValueError, match="torchdp.DataParallel: 'gpu7' is not a device"):
+        torchdp.DataParallel(_net(), devices=["gpu7"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward
+# ---------------------------------------------------------------------------------------------
+
+
+def test_cpu_model_on_meta_devices_fails_at_first_forward():
+    dp = torchdp.DataParallel(_net(), devices=[META, META])
+    with pytest.raises(RuntimeError) as info:
+        dp(torch.randn(4, 4))
+    message = str(info.value)
+    assert message.startswith(DEVICE_MESSAGE.format("meta", "cpu"))
+    assert "(parameter '0.weight')" in message
+    assert "model.to('meta')" in message and "place_module=True" in message
+
+
+def test_misplaced_buffer_is_named():
+    net = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+    net[1]._buffers["running_var"] = net[1].running_var.to("meta")
+    dp = torchdp.DataParallel(net, devices=cpu_devices(2))
+    with pytest.raises(RuntimeError, match=r"on device: meta \(buffer '1.running_var'\)"):
+        dp(torch.randn(4, 2))
+
+
+def test_failed_forward_leaves_the_module_alone():
+    net = _net()
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    dp = torchdp.DataParallel(net, devices=[META, META])
+    with pytest.raises(RuntimeError):
+        dp(torch.randn(4, 4))
+    for k, v in net.state_dict().items():
+        assert v.device == CPU and torch.equal(v, before[k])
+
+
+def test_place_module_moves_at_first_forward():
+    net = _net()
+    dp = torchdp.DataParallel(net, devices=[META, META], place_module=True)
+    assert net[0].weight.device == CPU  # construction does not move
+    out = dp(torch.randn(5, 4))
+    assert net[0].weight.device.type == "meta"
+    assert out.device.type == "meta" and out.shape == (5, 2)
+
+
+def test_forward_equals_module_and_output_device():
+    net = _net()
+    dp = torchdp.DataParallel(net, devices=cpu_devices(2))
+    x = torch.randn(7, 4)
+    torch.testing.assert_close(dp(x), net(x))
+    dp = torchdp.DataParallel(net, devices=cpu_devices(2), output_device=META)
+    out = dp(x)
+    assert out.device.type == "meta" and out.shape == (7, 2)
+
+
+class _Counter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+        self.calls: list = []  # shared by the replicas
+
+    def forward(self, *args, **kwargs):
+        self.calls.append((self, args, kwargs))
+        return self.lin.weight.sum().reshape(1) if not args else self.lin(args[0])
+
+
+def test_no_inputs_runs_once_on_the_first_device():
+    net = _Counter()
+    dp = torchdp.DataParallel(net, devices=cpu_devices(3))
+    out = dp()
+    assert len(net.calls) == 1 and net.calls[0][1] == () and net.calls[0][2] == {}
+    assert net.calls[0][0] is not net  # a replica, then gathered
+    torch.testing.assert_close(out, net.lin.weight.sum().reshape(1))
+
+
+def test_fewer_chunks_than_devices_run_fewer_replicas():
+    net = _Counter()
+    dp = torchdp.DataParallel(net, devices=cpu_devices(4))
+    out = dp(torch.randn(2, 2))
+    assert len(net.calls) == 2 and out.shape == (2, 2)
+    net.calls.clear()
+    dp(torch.randn(5, 2))  # chunks of 2, 2, 1
+    assert len(net.calls) == 3
+
+
+def test_kwargs_only_call():
+    net = _Counter()
+    dp = torchdp.DataParallel(net, devices=cpu_devices(2))
+
+    class KwOnly(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+
+        def forward(self, *, x, scale):
+            return self.lin(x) * scale
+
+    kw = KwOnly()
+    dp = torchdp.DataParallel(kw, devices=cpu_devices(2))
+    x = torch.randn(4, 2)
+    torch.testing.assert_close(dp(x=x, scale=3.0), kw(x=x, scale=3.0))
+
+
+def test_single_device_shortcut_calls_the_module_and_ignores_output_device():
+    net = _Counter()
+    dp = torchdp.DataParallel(net, devices=[CPU], output_device=META)
+    hook_calls = []
+    with torchdp.register_post_replicate_hook(_Counter, lambda *a: hook_calls.append(a)):
+        out = dp(torch.randn(3, 2))
+    assert net.calls[0][0] is net  # no replica
+    assert hook_calls == []
+    assert out.device == CPU  # not gathered to output_device
+
+
+def test_scalar_outputs_become_a_vector():
+    net = _Counter()
+    dp = torchdp.DataParallel(net, devices=cpu_devices(2))
+
+    class Scalar(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(()))
+
+        def forward(self, x):
+            return (x * self.w).sum()
+
+    dp = torchdp.DataParallel(Scalar(), devices=cpu_devices(2))
+    with pytest.warns(UserWarning, match="will instead unsqueeze and return a vector"):
+        out = dp(torch.ones(4, 1))
+    torch.testing.assert_close(out, torch.tensor([2.0, 2.0]))
+
+
+def test_state_dict_train_eval_and_to():
+    net = _net()
+    dp = torchdp.DataParallel(net, devices=cpu_devices(2))
+    assert list(dp.state_dict()) == ["module." + k for k in net.state_dict()]
+    other = torchdp.DataParallel(_net(), devices=cpu_devices(2))
+    other.load_state_dict(dp.state_dict())
+    torch.testing.assert_close(other.module[0].weight, net[0].weight)
+    dp.eval()
+    assert not net.training
+    dp.train()
+    assert net.training
+    dp.to(torch.float64)
+    assert net[0].weight.dtype == torch.float64
+    assert list(dp.parameters()) == list(net.parameters())
+
+
+def test_record_function_range():
+    dp = torchdp.DataParallel(_net(), devices=cpu_devices(2))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        dp(torch.randn(4, 4))
+    assert any(e.name == "DataParallel.forward" for e in prof.events())
+
+
+def test_no_reference_cycles_after_forward():
+    dp = torchdp.DataParallel(_net(), devices=cpu_devices(2))
+    x = torch.randn(4, 4)
+    dp(x)  # warm up (caches)
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        dp(x).sum().backward()
+        assert gc.collect() == 0
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def test_overridable_methods():
+    calls = []
+
+    class Ungathered(torchdp.DataParallel):
+        def replicate(self, module, device_ids):
+            calls.append(("replicate", list(device_ids)))
+            return super().replicate(module, device_ids)
+
+        def scatter(self, inputs, kwargs, device_ids):
+            calls.append(("scatter", len(device_ids)))
+            return super().scatter(inputs, kwargs, device_ids)
+
+        def parallel_apply(self, replicas, inputs, kwargs):
+            calls.append(("parallel_apply", len(replicas)))
+            return super().parallel_apply(replicas, inputs, kwargs)
+
+        def gather(self, outputs, output_device):
+            calls.append(("gather", output_device))
+            return outputs  # DataParallelModel-style: per-device outputs
+
+    dp = Ungathered(_net(), devices=cpu_devices(3))
+    outs = dp(torch.randn(4, 4))  # chunks of 2 and 2
+    assert isinstance(outs, list) and [o.shape[0] for o in outs] == [2, 2]
+    assert calls == [
+        ("scatter", 3),
+        ("replicate", cpu_devices(2)),
+        ("parallel_apply", 2),
+        ("gather", CPU),
+    ]
+
+
+def test_replicate_is_detached_under_no_grad():
+    seen = []
+
+    class Spy(torchdp.DataParallel):
+        def replicate(self, module, device_ids):
+            replicas = super().replicate(module, device_ids)
+            seen.append(replicas[1][0].weight.grad_fn is None)
+            return replicas
+
+    dp = Spy(_net(), devices=cpu_devices(2))
+    dp(torch.randn(4, 4))
+    with torch.no_grad():
+        dp(torch.randn(4, 4))
+    assert seen == [False, True]
+
+
+# ---------------------------------------------------------------------------------------------
+# Functional data_parallel
+# ---------------------------------------------------------------------------------------------
+
+
+@no_accelerator
+def test_functional_without_accelerator_raises():
+    with pytest.raises(RuntimeError, match="device type could not be determined"):
+        torchdp.data_parallel(_net(), torch.randn(2, 4))
+
+
+def test_functional_with_devices():
+    net = _net()
+    x = torch.randn(5, 4)
+    torch.testing.assert_close(torchdp.data_parallel(net, x, devices=cpu_devices(2)), net(x))
+    torch.testing.assert_close(
+        torchdp.data_parallel(net, (x,), devices=cpu_devices(3), output_device="cpu"), net(x)
+    )
+    out = torchdp.data_parallel(net, x, devices=cpu_devices(2), output_device=META)
+    assert out.device.type == "meta"
+
+
+def test_functional_none_inputs_and_kwargs():
+    net = _Counter()
+    out = torchdp.data_parallel(net, None, devices=cpu_devices(2))
+    assert len(net.calls) == 1 and out.shape == (1,)
+
+    class Kw(nn.Module):
+        def forward(self, x, scale=1.0):
+            return x * scale
+
+    x = torch.randn(4, 2)
+    torch.testing.assert_close(
+        torchdp.data_parallel(Kw(), x, devices=cpu_devices(2), module_kwargs={"scale": 2.0}), x * 2
+    )
+
+
+def test_functional_never_detaches(monkeypatch):
+    # Like PyTorch: the functional form calls replicate(module, devices) without detach.
+    calls = []
+    real = dp_module.replicate
+
+    def spy(network, devices, detach=False):
+        calls.append(detach)
+        return real(network, devices, detach)
+
+    monkeypatch.setattr(dp_module, "replicate", spy)
+    with torch.no_grad():
+        torchdp.data_parallel(nn.Linear(2, 1), torch.randn(4, 2), devices=cpu_devices(2))
+        torchdp.DataParallel(nn.Linear(2, 1), devices=cpu_devices(2))(torch.randn(4, 2))
+    assert calls == [False, True]
+
+
+def test_functional_device_check():
+    with pytest.raises(RuntimeError) as info:
+        torchdp.data_parallel(_net(), torch.randn(2, 4), devices=[META, META])
+    assert str(info.value).startswith(DEVICE_MESSAGE.format("meta", "cpu"))
+    assert "module.to('meta')" in str(info.value)
+
+
+def test_functional_single_device_calls_module():
+    net = _Counter()
+    torchdp.data_parallel(net, torch.randn(3, 2), devices=[CPU])
+    assert net.calls[0][0] is net
+
+
+def test_functional_errors():
+    with pytest.raises(
+        ValueError, match="torchdp.data_parallel: pass either device_ids= or devices=, not both"
+    ):
+        torchdp.data_parallel(_net(), torch.randn(2, 4), device_ids=[0], devices=[CPU])
+    with pytest.raises(
+        ValueError, match="torchdp.data_parallel: devices= must name at least one device"
+    ):
+        torchdp.data_parallel(_net(), torch.randn(2, 4), devices=[])

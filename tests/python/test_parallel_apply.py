@@ -1,0 +1,161 @@
+"""torchdp.parallel_apply on CPU device lists: argument checks, calling conventions, grad mode and
+autocast state in the workers, and PyTorch's "Caught X in replica i on device d" errors."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from dp_testing import cpu_devices
+from torch import nn
+
+import torchdp
+
+CPU = torch.device("cpu")
+META = torch.device("meta")
+
+
+class Echo(nn.Module):
+    def forward(self, *args, **kwargs):
+        return args, kwargs
+
+
+class Probe(nn.Module):
+    def forward(self, x):
+        return {
+            "thread": threading.get_ident(),
+            "grad": torch.is_grad_enabled(),
+            "autocast": torch.is_autocast_enabled("cpu"),
+            "dtype": torch.get_autocast_dtype("cpu"),
+        }
+
+
+class Raises(nn.Module):
+    def __init__(self, exc: BaseException | None) -> None:
+        super().__init__()
+        self.exc = exc
+
+    def forward(self, x):
+        if self.exc is not None:
+            raise self.exc
+        return x
+
+
+def test_inputs_as_tuples_single_objects_and_kwargs():
+    modules = [Echo(), Echo(), Echo()]
+    t = torch.ones(2)
+    outs = torchdp.parallel_apply(
+        modules, [(t, 1), t, [2, 3]], ({"k": 1}, {}, {"z": None}), cpu_devices(3)
+    )
+    assert outs[0][0][0] is t and outs[0][0][1] == 1 and outs[0][1] == {"k": 1}
+    assert len(outs[1][0]) == 1 and outs[1][0][0] is t  # a tensor is never sliced
+    assert outs[2][0] == (2, 3) and outs[2][1] == {"z": None}
+
+
+def test_kwargs_tup_and_devices_default():
+    outs = torchdp.parallel_apply(
+        [nn.Linear(2, 1), nn.Linear(2, 1)], [torch.ones(1, 2), torch.ones(1, 2)]
+    )
+    assert [o.shape for o in outs] == [torch.Size([1, 1])] * 2
+
+
+def test_no_modules():
+    assert torchdp.parallel_apply([], []) == []
+
+
+def test_inputs_length_mismatch():
+    with pytest.raises(
+        AssertionError, match="The number of modules 2 is not equal to the number of inputs 1"
+    ):
+        torchdp.parallel_apply([Echo(), Echo()], [1])
+
+
+def test_kwargs_length_mismatch():
+    with pytest.raises(
+        AssertionError, match="The number of modules 2 is not equal to the number of kwargs_tup 3"
+    ):
+        torchdp.parallel_apply([Echo(), Echo()], [1, 2], ({}, {}, {}))
+
+
+def test_devices_length_mismatch():
+    with pytest.raises(
+        AssertionError, match="The number of modules 2 is not equal to the number of devices 1"
+    ):
+        torchdp.parallel_apply([Echo(), Echo()], [1, 2], None, cpu_devices(1))
+
+
+@pytest.mark.parametrize("grad_enabled", [True, False])
+def test_grad_mode_is_carried_into_workers(grad_enabled):
+    with torch.set_grad_enabled(grad_enabled):
+        outs = torchdp.parallel_apply([Probe()] * 3, [0, 0, 0], None, cpu_devices(3))
+    assert [o["grad"] for o in outs] == [grad_enabled] * 3
+
+
+def test_autocast_state_is_carried_into_workers():
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        outs = torchdp.parallel_apply([Probe()] * 3, [0, 0, 0], None, cpu_devices(3))
+    assert [o["autocast"] for o in outs] == [True] * 3
+    assert [o["dtype"] for o in outs] == [torch.bfloat16] * 3
+    outs = torchdp.parallel_apply([Probe()] * 2, [0, 0], None, cpu_devices(2))
+    assert [o["autocast"] for o in outs] == [False] * 2
+
+
+def test_replica_zero_runs_on_the_calling_thread_and_workers_persist():
+    first = torchdp.parallel_apply([Probe()] * 3, [0, 0, 0], None, cpu_devices(3))
+    second = torchdp.parallel_apply([Probe()] * 3, [0, 0, 0], None, cpu_devices(3))
+    main = threading.get_ident()
+    assert first[0]["thread"] == main
+    assert all(o["thread"] != main for o in first[1:])
+    assert len({o["thread"] for o in first}) == 3
+    # Persistent workers: no new thread per call.
+    assert [o["thread"] for o in first] == [o["thread"] for o in second]
+
+
+def test_key_error_is_reraised_readably():
+    modules = [Raises(None), Raises(KeyError("wonderful")), Raises(KeyError("later"))]
+    with pytest.raises(
+        KeyError,
+        match=r"Caught KeyError in replica 1 on device cpu.\nOriginal "
+        r"Traceback[\s\S]+wonderful",
+    ) as info:
+        torchdp.parallel_apply(modules, [1, 2, 3], None, cpu_devices(3))
+    # KeyErrorMessage: str() of the exception is the message itself, not its repr.
+    assert str(info.value).startswith("Caught KeyError in replica 1 on device cpu.")
+    assert "later" not in str(info.value)
+
+
+def test_first_exception_wins_and_keeps_its_type():
+    modules = [Raises(ValueError("zero")), Raises(TypeError("one"))]
+    with pytest.raises(
+        ValueError,
+        match=r"Caught ValueError in replica 0 on device cpu.\n"
+        r"Original Traceback[\s\S]+zero",
+    ):
+        torchdp.parallel_apply(modules, [1, 2], None, cpu_devices(2))
+
+
+def test_exception_that_cannot_be_rebuilt_becomes_runtime_error():
+    class Picky(Exception):
+        def __init__(self, a, b):
+            super().__init__(a, b)
+
+    with pytest.raises(RuntimeError, match=r"Caught Picky in replica 1 on device meta"):
+        torchdp.parallel_apply([Raises(None), Raises(Picky(1, 2))], [1, 2], None, [CPU, META])
+
+
+def test_device_is_printed_like_pytorch():
+    with pytest.raises(ZeroDivisionError, match="in replica 0 on device cpu"):
+        torchdp.parallel_apply([Raises(ZeroDivisionError("x"))], [1], None, ["cpu:0"])
+
+
+def test_error_inside_data_parallel_names_the_replica():
+    class FailsOnSmallBatch(nn.Module):
+        def forward(self, x):
+            if x.shape[0] < 3:
+                raise IndexError("batch too small")
+            return x
+
+    dp = torchdp.DataParallel(FailsOnSmallBatch(), devices=cpu_devices(2))
+    with pytest.raises(IndexError, match=r"Caught IndexError in replica 1 on device cpu"):
+        dp(torch.randn(5, 1))  # chunks of 3 and 2

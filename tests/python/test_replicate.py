@@ -1,0 +1,288 @@
+"""torchdp.replicate on CPU and meta device lists: PyTorch's replica semantics, the custom
+__setattr__ repair (the cplxmodule case), and the __data_parallel_replicate__ protocol."""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import warnings
+
+import pytest
+import torch
+from dp_testing import SharedCore, cpu_devices, masked_linear_class
+from torch import nn
+
+import torchdp
+
+CPU = torch.device("cpu")
+META = torch.device("meta")
+_names = itertools.count()
+
+
+def _fresh_masked_class():
+    return masked_linear_class(f"MaskedLinear{next(_names)}")
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_replicas_are_replicas(n):
+    net = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
+    replicas = torchdp.replicate(net, cpu_devices(n))
+    assert len(replicas) == n
+    for r in replicas:
+        assert type(r) is nn.Sequential and r is not net
+        assert r._is_replica and r[0]._is_replica
+        # Parameters of replicas are non-leaf plain attributes, as in PyTorch (#33907).
+        assert list(r.parameters()) == []
+        assert set(r[0]._former_parameters) == {"weight", "bias"}
+        assert r[0].weight.grad_fn is not None and not r[0].weight.is_leaf
+        assert r[0].weight.device == CPU
+        torch.testing.assert_close(r[0].weight, net[0].weight)
+        torch.testing.assert_close(r[1].running_mean, net[1].running_mean)
+        assert r.training == net.training
+
+
+def test_detach_gives_no_history():
+    net = nn.Linear(4, 3)
+    replicas = torchdp.replicate(net, cpu_devices(3), detach=True)
+    for r in replicas:
+        assert r.weight.grad_fn is None
+    # As with PyTorch's broadcast_coalesced, replica 0 gets the original tensors as they are.
+    for r in replicas[1:]:
+        assert not r.weight.requires_grad
+
+
+def test_replica_zero_shares_storage_with_the_original():
+    net = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
+    r0, r1 = torchdp.replicate(net, cpu_devices(2))
+    assert r0[0].weight.data_ptr() == net[0].weight.data_ptr()
+    assert r0[1].running_mean.data_ptr() == net[1].running_mean.data_ptr()
+    # The other replicas have storage of their own, even on the same device.
+    assert r1[0].weight.data_ptr() != net[0].weight.data_ptr()
+    assert r1[1].running_mean.data_ptr() != net[1].running_mean.data_ptr()
+
+
+def test_gradients_of_all_replicas_sum_into_the_original():
+    net = nn.Linear(3, 1, bias=False)
+    replicas = torchdp.replicate(net, cpu_devices(3))
+    x = torch.randn(2, 3)
+    sum(r(x).sum() for r in replicas).backward()
+    torch.testing.assert_close(net.weight.grad, 3 * x.sum(0, keepdim=True))
+
+
+def test_shared_submodules_and_tied_parameters_stay_shared():
+    net = SharedCore()
+    for r in torchdp.replicate(net, cpu_devices(2)):
+        assert r.a is r.b
+        assert r.tied.weight is r.tied2.weight
+
+
+def test_none_entries_are_kept():
+    net = nn.Linear(4, 3, bias=False)
+    net.register_buffer("nothing", None)
+    for r in torchdp.replicate(net, cpu_devices(2)):
+        assert r.bias is None and "bias" in r._parameters
+        assert r.nothing is None and "nothing" in r._buffers
+
+
+def test_training_flags_of_submodules_are_kept():
+    net = nn.Sequential(nn.Linear(2, 2), nn.Dropout())
+    net[1].eval()
+    for r in torchdp.replicate(net, cpu_devices(2)):
+        assert r.training and r[0].training and not r[1].training
+
+
+def test_buffers_requiring_grad_are_differentiable():
+    net = nn.Linear(2, 2)
+    net.register_buffer("shift", torch.ones(2, requires_grad=True))
+    replicas = torchdp.replicate(net, cpu_devices(2))
+    assert all(r.shift.grad_fn is not None for r in replicas)
+    sum((r.shift * 2).sum() for r in replicas).backward()
+    torch.testing.assert_close(net.shift.grad, torch.full((2,), 4.0))
+    detached = torchdp.replicate(net, cpu_devices(2), detach=True)
+    assert all(r.shift.grad_fn is None for r in detached)
+    assert not detached[1].shift.requires_grad
+
+
+def test_empty_device_list_gives_no_replicas():
+    assert torchdp.replicate(nn.Linear(2, 2), []) == []
+
+
+def test_script_module_with_python_children_is_rejected(monkeypatch):
+    # A ScriptModule with plain Python descendants is hard to build in current PyTorch (it
+    # scripts its children); stand one in for the rule.
+    class PretendScript(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.child = nn.Linear(2, 2)
+
+    module = importlib.import_module("torchdp.replicate")
+    monkeypatch.setattr(module, "_is_script_module", lambda m: isinstance(m, PretendScript))
+    with pytest.raises(
+        RuntimeError,
+        match="Cannot replicate network where python modules are children of ScriptModule",
+    ):
+        torchdp.replicate(nn.Sequential(PretendScript()), cpu_devices(2))
+
+
+def test_script_modules_replicate():
+    scripted = torch.jit.script(nn.Sequential(nn.Linear(3, 2), nn.ReLU()))
+    x = torch.randn(4, 3)
+    for r in torchdp.replicate(scripted, cpu_devices(2)):
+        torch.testing.assert_close(r(x), scripted(x))
+
+
+def test_replicate_on_cpu_and_meta():
+    net = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
+    r0, r1 = torchdp.replicate(net, [CPU, META])
+    assert r0[0].weight.device == CPU and r0[1].running_var.device == CPU
+    assert r1[0].weight.device.type == "meta" and r1[1].running_var.device.type == "meta"
+    assert net[0].weight.device == CPU
+
+
+def test_lazy_modules_are_rejected_like_pytorch():
+    with pytest.raises(RuntimeError, match="Modules with uninitialized parameters"):
+        torchdp.replicate(nn.LazyLinear(3), cpu_devices(2))
+
+
+def test_rnn_flat_weights_follow_the_replica():
+    lstm = nn.LSTM(3, 2)
+    r0, r1 = torchdp.replicate(lstm, [CPU, META])
+    assert all(w.device.type == "meta" for w in r1._flat_weights)
+    assert all(w.device == CPU for w in r0._flat_weights)
+    assert r1._flat_weights is not lstm._flat_weights
+
+
+# ---------------------------------------------------------------------------------------------
+# The cplxmodule case: a __setattr__ that copies into the existing mask instead of rebinding it.
+# ---------------------------------------------------------------------------------------------
+
+
+def test_masked_layer_replicated_on_cpu_and_meta():
+    cls = _fresh_masked_class()
+    layer = cls(4, 3)
+    mask = layer.mask
+    values = mask.clone()
+    version = mask._version
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        r0, r1 = torchdp.replicate(layer, [CPU, META])
+    assert r1.mask.device.type == "meta"
+    assert r0.mask.device == CPU
+    torch.testing.assert_close(r0.mask, values)
+    # The original keeps its mask object and values, and is never written.
+    assert layer.mask is mask and layer._buffers["mask"] is mask
+    assert torch.equal(layer.mask, values) and mask._version == version
+    relevant = [
+        w for w in caught if issubclass(w.category, UserWarning) and cls.__name__ in str(w.message)
+    ]
+    assert len(relevant) == 1, [str(w.message) for w in caught]
+    assert "mask" in str(relevant[0].message)
+
+    # Once per class: a second replicate does not warn again.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torchdp.replicate(layer, [CPU, META])
+    assert not [w for w in caught if cls.__name__ in str(w.message)]
+
+
+def test_masked_layer_trains_through_data_parallel_on_cpu():
+    cls = _fresh_masked_class()
+    layer = cls(4, 3)
+    ref = cls(4, 3)
+    ref.load_state_dict(layer.state_dict())
+    mask = layer.mask
+    version = mask._version
+    dp = torchdp.DataParallel(layer, devices=cpu_devices(2))
+    x = torch.randn(6, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = dp(x)
+    torch.testing.assert_close(out, ref(x))
+    out.sum().backward()
+    ref(x).sum().backward()
+    torch.testing.assert_close(layer.weight.grad, ref.weight.grad)
+    assert layer.mask is mask and mask._version == version
+
+
+# ---------------------------------------------------------------------------------------------
+# __data_parallel_replicate__ (Synchronized-BatchNorm's protocol), run natively.
+# ---------------------------------------------------------------------------------------------
+
+
+class _SyncLike(nn.Module):
+    def __init__(self, tag: str, log: list) -> None:
+        super().__init__()
+        self.tag = tag
+        self.log = log  # shared with the replicas through the __dict__ copy
+        self.lin = nn.Linear(2, 2)
+
+    def __data_parallel_replicate__(self, ctx, copy_id):
+        self.log.append((self.tag, ctx, copy_id, self))
+        if copy_id == 0:
+            ctx.master = self
+        else:
+            self.master = ctx.master
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_data_parallel_replicate_callbacks(n):
+    log: list = []
+    first, second = _SyncLike("first", log), _SyncLike("second", log)
+    net = nn.Sequential(first, nn.ReLU(), second)
+    net.again = first  # a shared module is one position: called once per replica
+    replicas = torchdp.replicate(net, cpu_devices(n))
+
+    # Replica-major, master copy first; one ctx per module position, shared by its copies.
+    assert [(tag, cid) for tag, _, cid, _ in log] == [
+        (tag, cid) for cid in range(n) for tag in ("first", "second")
+    ]
+    ctx_first = {id(ctx) for tag, ctx, _, _ in log if tag == "first"}
+    ctx_second = {id(ctx) for tag, ctx, _, _ in log if tag == "second"}
+    assert len(ctx_first) == 1 and len(ctx_second) == 1 and ctx_first != ctx_second
+    # The callbacks run on the replicas, and the slaves see the master copy.
+    for tag, _, cid, module in log:
+        position = 0 if tag == "first" else 2
+        assert module is replicas[cid][position]
+        if cid > 0:
+            assert module.master is replicas[0][position]
+    assert not hasattr(first, "master")
+
+
+def test_data_parallel_replicate_callbacks_run_in_data_parallel_forward():
+    log: list = []
+    net = nn.Sequential(_SyncLike("only", log))
+    dp = torchdp.DataParallel(net, devices=cpu_devices(3))
+    dp(torch.randn(6, 2))
+    assert [cid for _, _, cid, _ in log] == [0, 1, 2]
+
+
+def test_replicate_rejects_a_single_device_that_is_not_a_list():
+    with pytest.raises(TypeError, match="torchdp.replicate: expected a list of devices"):
+        torchdp.replicate(nn.Linear(2, 2), CPU)
+
+
+def test_replicate_rejects_a_negative_index():
+    with pytest.raises(ValueError, match="torchdp.replicate: device index -1 is negative"):
+        torchdp.replicate(nn.Linear(2, 2), [-1])
+
+
+def test_replicate_rejects_non_devices():
+    with pytest.raises(TypeError, match="torchdp.replicate: expected a device"):
+        torchdp.replicate(nn.Linear(2, 2), [1.5])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without CUDA")
+def test_replicate_on_cuda_without_cuda_fails_clearly():
+    with pytest.raises(RuntimeError, match="torchdp"):
+        torchdp.replicate(nn.Linear(2, 2), [0, 1])
+
+
+def test_check_replica_devices_reports_a_misplaced_tensor():
+    bn = nn.BatchNorm1d(3)
+    copies = torchdp._C.replicate(bn, cpu_devices(2), False)
+    copies[1][0]._buffers["running_mean"] = torch.zeros(3, device="meta")
+    with pytest.raises(RuntimeError, match="running_mean"):
+        torchdp._C.check_replica_devices(copies, cpu_devices(2), "torchdp.test")

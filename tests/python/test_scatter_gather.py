@@ -1,0 +1,335 @@
+"""scatter / scatter_kwargs / gather: PyTorch's structure rules on CPU device lists, plus a
+hypothesis round trip gather(scatter(x)) == x over random nested structures."""
+
+from __future__ import annotations
+
+import gc
+import warnings
+from collections import OrderedDict, defaultdict, namedtuple
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import pytest
+import torch
+from dp_testing import cpu_devices
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import torchdp
+
+CPU = torch.device("cpu")
+META = torch.device("meta")
+
+Point = namedtuple("Point", ["x", "y"])
+
+
+class TypedPoint(NamedTuple):
+    x: torch.Tensor
+    label: str
+
+
+class MyDict(dict):
+    pass
+
+
+@dataclass
+class Box:
+    t: torch.Tensor
+
+
+def test_scatter_tensor_returns_a_tuple_of_chunks():
+    x = torch.arange(10.0).reshape(5, 2)
+    chunks = torchdp.scatter(x, cpu_devices(2))
+    assert isinstance(chunks, tuple) and len(chunks) == 2
+    assert [c.shape[0] for c in chunks] == [3, 2]
+    torch.testing.assert_close(torch.cat(chunks), x)
+
+
+def test_scatter_may_give_fewer_chunks_than_devices():
+    chunks = torchdp.scatter(torch.randn(5, 2), cpu_devices(4))
+    assert [c.shape[0] for c in chunks] == [2, 2, 1]
+
+
+@pytest.mark.parametrize("dim", [1, -1])
+def test_scatter_along_other_dims(dim):
+    x = torch.randn(2, 6)
+    chunks = torchdp.scatter(x, cpu_devices(3), dim=dim)
+    assert [c.shape for c in chunks] == [torch.Size([2, 2])] * 3
+
+
+def test_scatter_structures():
+    x = torch.randn(4, 3)
+    box = Box(torch.randn(4))
+    inputs = (
+        x,
+        [x, "s"],
+        {"k": x, "n": 1},
+        Point(x, 2),
+        TypedPoint(x, "lbl"),
+        MyDict(a=x),
+        None,
+        5,
+        box,
+        (),
+        [],
+        {},
+    )
+    parts = torchdp.scatter(inputs, cpu_devices(2))
+    assert isinstance(parts, list) and len(parts) == 2
+    for i, part in enumerate(parts):
+        assert isinstance(part, tuple) and len(part) == len(inputs)
+        rows = slice(2 * i, 2 * i + 2)
+        torch.testing.assert_close(part[0], x[rows])
+        assert isinstance(part[1], list) and part[1][1] == "s"
+        assert isinstance(part[2], dict) and part[2]["n"] == 1
+        assert type(part[3]) is Point and part[3].y == 2
+        assert type(part[4]) is TypedPoint and part[4].label == "lbl"
+        assert type(part[5]) is MyDict
+        torch.testing.assert_close(part[5]["a"], x[rows])
+        assert part[6] is None and part[7] == 5
+        assert part[8] is box  # non-tensors (dataclasses included) by reference
+        assert part[9] == () and part[10] == [] and part[11] == {}
+        assert part[10] is inputs[10]
+
+
+def test_scatter_zip_truncates_to_the_shortest_branch():
+    parts = torchdp.scatter((torch.randn(2, 1), torch.randn(6, 1), "x"), cpu_devices(3))
+    assert len(parts) == 2
+
+
+def test_scatter_is_differentiable():
+    x = torch.randn(6, 2, requires_grad=True)
+    chunks = torchdp.scatter(x, cpu_devices(3))
+    sum((c * (i + 1)).sum() for i, c in enumerate(chunks)).backward()
+    torch.testing.assert_close(x.grad, torch.tensor([1.0, 1, 2, 2, 3, 3])[:, None].expand(6, 2))
+
+
+def test_scatter_to_meta():
+    chunks = torchdp.scatter(torch.randn(4, 2), [CPU, META])
+    assert chunks[0].device == CPU and chunks[1].device.type == "meta"
+
+
+def test_scatter_kwargs_pads_the_shorter_side():
+    x = torch.randn(4, 2)
+    inputs, kwargs = torchdp.scatter_kwargs((x,), {}, cpu_devices(2))
+    assert len(inputs) == 2 and kwargs == ({}, {})
+    inputs, kwargs = torchdp.scatter_kwargs((), {"x": x}, cpu_devices(2))
+    assert inputs == ((), ()) and len(kwargs) == 2
+    assert isinstance(inputs, tuple) and isinstance(kwargs, tuple)
+
+
+def test_scatter_kwargs_quirk_is_kept():
+    # kwargs scatter into fewer chunks than the inputs, but there are no more positional
+    # arguments than kwargs chunks: PyTorch compares against len(inputs) and does not pad.
+    inputs, kwargs = torchdp.scatter_kwargs(
+        (torch.randn(4, 2),), {"y": torch.randn(1, 2)}, cpu_devices(2)
+    )
+    assert len(inputs) == 2 and len(kwargs) == 1
+    # With more positional arguments than kwargs chunks, the kwargs side is padded.
+    inputs, kwargs = torchdp.scatter_kwargs(
+        (torch.randn(4, 2), 1, 2), {"y": torch.randn(1, 2)}, cpu_devices(2)
+    )
+    assert len(inputs) == 2 and len(kwargs) == 2 and kwargs[1] == {}
+
+
+def test_gather_tensors_and_structures():
+    a, b = torch.randn(2, 3), torch.randn(1, 3)
+    out = torchdp.gather([a, b], CPU)
+    torch.testing.assert_close(out, torch.cat([a, b]))
+    out = torchdp.gather([(a, None), (b, None)], "cpu")
+    assert isinstance(out, tuple) and out[1] is None
+    out = torchdp.gather([[a], [b]], CPU)
+    assert isinstance(out, list)
+    out = torchdp.gather([OrderedDict(z=a, y=a), OrderedDict(z=b, y=b)], CPU)
+    assert type(out) is OrderedDict and list(out) == ["z", "y"]
+    out = torchdp.gather([Point(a, a), Point(b, b)], CPU)
+    assert type(out) is Point
+    out = torchdp.gather([MyDict(k=a), MyDict(k=b)], CPU)
+    assert type(out) is MyDict
+
+
+def test_gather_along_dim():
+    a, b = torch.randn(2, 3), torch.randn(2, 1)
+    torch.testing.assert_close(torchdp.gather([a, b], CPU, dim=1), torch.cat([a, b], 1))
+    torch.testing.assert_close(torchdp.gather([a, b], CPU, dim=-1), torch.cat([a, b], 1))
+
+
+def test_gather_is_differentiable():
+    a = torch.randn(2, 3, requires_grad=True)
+    b = torch.randn(1, 3, requires_grad=True)
+    (torchdp.gather([a, b], CPU) * 2).sum().backward()
+    torch.testing.assert_close(a.grad, torch.full((2, 3), 2.0))
+    torch.testing.assert_close(b.grad, torch.full((1, 3), 2.0))
+
+
+def test_gather_scalars_become_a_vector_with_a_warning():
+    with pytest.warns(
+        UserWarning,
+        match="Was asked to gather along dimension 0, but all input "
+        "tensors were scalars; will instead unsqueeze and "
+        "return a vector.",
+    ):
+        out = torchdp.gather([torch.tensor(1.0), torch.tensor(2.0)], CPU)
+    torch.testing.assert_close(out, torch.tensor([1.0, 2.0]))
+
+
+def test_gather_minus_one_means_cpu_with_a_future_warning():
+    with pytest.warns(
+        FutureWarning,
+        match="Using -1 to represent CPU tensor is deprecated. "
+        "Please use a device object or string instead, "
+        'e.g., "cpu".',
+    ):
+        out = torchdp.gather([torch.ones(1), torch.ones(1)], -1)
+    assert out.device == CPU
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torchdp.gather([torch.ones(1), torch.ones(1)], "cpu")
+
+
+def test_gather_dicts_must_have_the_same_number_of_keys():
+    with pytest.raises(ValueError, match="All dicts must have the same number of keys"):
+        torchdp.gather([{"a": torch.ones(1)}, {"a": torch.ones(1), "b": torch.ones(1)}], CPU)
+
+
+def test_gather_sequences_of_different_lengths_fail():
+    with pytest.raises(ValueError):
+        torchdp.gather([(torch.ones(1),), (torch.ones(1), torch.ones(1))], CPU)
+
+
+def test_gather_to_meta():
+    out = torchdp.gather([torch.ones(1, device="meta"), torch.ones(2, device="meta")], META)
+    assert out.device.type == "meta" and out.shape == (3,)
+
+
+@pytest.mark.parametrize("bad", [1.5, object(), [CPU]])
+def test_gather_rejects_bad_target(bad):
+    with pytest.raises(TypeError, match="torchdp.gather: expected a device"):
+        torchdp.gather([torch.ones(1)], bad)
+
+
+def test_scatter_rejects_bad_targets():
+    with pytest.raises(
+        TypeError, match="torchdp.scatter: expected a list of devices, got a single device"
+    ):
+        torchdp.scatter(torch.ones(2), CPU)
+    with pytest.raises(ValueError, match="torchdp.scatter: device index -2 is negative"):
+        torchdp.scatter(torch.ones(2), [-2])
+    with pytest.raises(ValueError, match="torchdp.scatter: 'nonsense' is not a device"):
+        torchdp.scatter(torch.ones(2), ["nonsense"])
+
+
+def test_scatter_does_not_leave_reference_cycles():
+    x = torch.randn(4, 2)
+    gc_was = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        torchdp.scatter((x, {"a": [x]}), cpu_devices(2))
+        torchdp.gather([(x, {"a": x}), (x, {"a": x})], CPU)
+        assert gc.collect() == 0
+    finally:
+        if gc_was:
+            gc.enable()
+
+
+# ---------------------------------------------------------------------------------------------
+# Property: gather(scatter(x)) == x, for nested structures of tensors and non-tensors.
+# ---------------------------------------------------------------------------------------------
+
+_BATCH = 6
+
+
+def _chunks(n: int) -> int:
+    return len(torch.empty(_BATCH).chunk(n))
+
+
+tensors = st.lists(st.integers(1, 3), min_size=0, max_size=2).map(lambda s: torch.randn(_BATCH, *s))
+leaves = tensors | st.none()
+# Non-tensor leaves are only allowed where gather can rebuild them: none (above), and inside
+# namedtuples/dicts we keep tensors. Non-tensors are checked separately on the scatter side.
+structures = st.recursive(
+    leaves,
+    lambda children: (
+        st.lists(children, min_size=1, max_size=3)
+        | st.lists(children, min_size=1, max_size=3).map(tuple)
+        | st.dictionaries(st.text("abc", min_size=1, max_size=2), children, min_size=1, max_size=3)
+        | st.tuples(children, children).map(lambda p: Point(*p))
+    ),
+    max_leaves=8,
+)
+
+
+def _has_tensor(obj) -> bool:
+    if isinstance(obj, torch.Tensor):
+        return True
+    if isinstance(obj, dict):
+        return any(_has_tensor(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return any(_has_tensor(v) for v in obj)
+    return False
+
+
+def _assert_same(actual, expected):
+    assert type(actual) is type(expected)
+    if isinstance(expected, torch.Tensor):
+        torch.testing.assert_close(actual, expected, rtol=0, atol=0)
+    elif isinstance(expected, dict):
+        assert list(actual) == list(expected)
+        for k in expected:
+            _assert_same(actual[k], expected[k])
+    elif isinstance(expected, (list, tuple)):
+        assert len(actual) == len(expected)
+        for a, e in zip(actual, expected, strict=True):
+            _assert_same(a, e)
+    else:
+        assert actual is expected or actual == expected
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(structure=structures, n=st.integers(1, 4))
+def test_gather_of_scatter_is_identity(structure, n):
+    if not _has_tensor(structure) or isinstance(structure, torch.Tensor):
+        # A lone tensor scatters to a tuple of chunks; wrap it like DataParallel's inputs are.
+        structure = (structure,)
+    if not _has_tensor(structure):
+        return
+    parts = torchdp.scatter(structure, cpu_devices(n))
+    assert len(parts) == _chunks(n)
+    _assert_same(torchdp.gather(parts, CPU), structure)
+
+
+non_tensor_leaves = (
+    st.integers() | st.text(max_size=3) | st.none() | st.booleans() | st.builds(object)
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    leaf=non_tensor_leaves,
+    container=st.sampled_from(["tuple", "list", "dict", "namedtuple"]),
+    n=st.integers(1, 4),
+)
+def test_non_tensors_are_passed_by_reference(leaf, container, n):
+    x = torch.randn(_BATCH, 2)
+    build = {
+        "tuple": lambda a, b: (a, b),
+        "list": lambda a, b: [a, b],
+        "dict": lambda a, b: {"t": a, "v": b},
+        "namedtuple": lambda a, b: Point(a, b),
+    }[container]
+    parts = torchdp.scatter(build(x, leaf), cpu_devices(n))
+    assert len(parts) == _chunks(n)
+    for i, part in enumerate(parts):
+        value = part["v"] if container == "dict" else part[1]
+        assert value is leaf
+        tensor = part["t"] if container == "dict" else part[0]
+        assert tensor.shape[0] == len(x.chunk(n)[i])
+
+
+def test_defaultdict_subclass_needs_pairs_constructor():
+    # PyTorch rebuilds dicts with type(obj)(pairs); a defaultdict cannot be built that way
+    # (pytorch #52597) and fails the same way here.
+    d = defaultdict(list, {"a": torch.randn(4)})
+    with pytest.raises(TypeError):
+        torchdp.scatter(d, cpu_devices(2))
