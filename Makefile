@@ -19,7 +19,7 @@ CUDA_ARGS := -DTORCHDP_WITH_CUDA=ON -DTORCHDP_WITH_NCCL=ON
 endif
 
 .PHONY: all deps configure build test test-cpp consumer python test-python install-python demo \
-	demo-cpp clean
+	demo-cpp bench clean
 
 all: build
 
@@ -41,8 +41,9 @@ deps:
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing >/dev/null; \
 	fi
-	@$(PYTHON) -c "import pytest, hypothesis" 2>/dev/null || { echo "== installing pytest hypothesis"; \
-	  $(PYTHON) -m pip install --quiet pytest hypothesis; }
+	@$(PYTHON) -c "import pytest, hypothesis, matplotlib" 2>/dev/null || { \
+	  echo "== installing pytest hypothesis matplotlib"; \
+	  $(PYTHON) -m pip install --quiet pytest hypothesis matplotlib; }
 
 # The one build also builds the torchdp._C extension straight into python/torchdp, so that
 # PYTHONPATH=python imports it (the in-place build used by test-python).
@@ -53,6 +54,7 @@ configure: deps
 	  -DCMAKE_PREFIX_PATH="$$prefix" \
 	  -DPython3_EXECUTABLE=$$($(PYTHON) -c "import sys; print(sys.executable)") \
 	  -DTORCHDP_BUILD_PYTHON=ON -DTORCHDP_PYTHON_OUTPUT_DIR=$(CURDIR)/python/torchdp \
+	  -DTORCHDP_BUILD_BENCHMARKS=ON \
 	  -DCMAKE_INSTALL_PREFIX=$(CURDIR)/$(BUILD)/_install $(CUDA_ARGS) $(CMAKE_ARGS)
 
 build: configure
@@ -76,8 +78,10 @@ python: configure
 	cmake --build $(BUILD) -j $(JOBS) --target _C
 
 # pytest exits with 5 when it collects no tests, which fails this target as it should.
-test-python: python
-	PYTHONPATH=$(CURDIR)/python $(PYTHON) -m pytest
+# The benchmark smoke test (tests/python/test_benchmarks_smoke.py) runs the C++ benchmark too.
+test-python: build
+	TORCHDP_BENCH_CPP=$(CURDIR)/$(BUILD)/benchmarks/cpp/torchdp_bench_cpp \
+	  PYTHONPATH=$(CURDIR)/python $(PYTHON) -m pytest
 
 # The setup.py driven build, as a user installs it (editable: python/torchdp is the package).
 install-python: deps
@@ -96,6 +100,13 @@ demo: python
 # The C++ example: the same idea with torchdp::DataParallel and a post-replicate hook.
 demo-cpp: build
 	$(BUILD)/examples/cpp/torchdp_example_train_masked
+
+# The benchmark suite side by side on all GPUs (see benchmarks/run_all.py); results, Markdown table
+# and plots go to benchmarks/results. BENCH_ARGS="--gpus 1,2" or "--only train_step" narrow it.
+bench: python
+	cmake --build $(BUILD) -j $(JOBS) --target torchdp_bench_cpp
+	PYTHONPATH=$(CURDIR)/python $(PYTHON) benchmarks/run_all.py \
+	  --cpp-bin $(BUILD)/benchmarks/cpp/torchdp_bench_cpp $(BENCH_ARGS)
 
 clean:
 	rm -rf $(BUILD)

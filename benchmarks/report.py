@@ -1,0 +1,605 @@
+"""Markdown report and plots of a torchdp benchmark results file.
+
+Usage::
+
+    python benchmarks/report.py RESULTS.json [MORE.json ...] --md OUT.md --plots OUT_PREFIX
+
+RESULTS.json is a merged results file (``{"machine": ..., "records": [...]}``, see common.py);
+further files are merged into it (their records appended, their machine blocks shown as extra
+machine entries, e.g. the C++ benchmark's). Writes:
+
+* OUT.md: the machine block and the tables that have records (train steps, memory, replicate,
+  replicate curve, C++), then the configurations that failed or were skipped, with their message;
+* OUT_PREFIX-speedup.png: speedup over one GPU per model/dtype (grouped bars, one per mode, the C++
+  models included), dashed lines at 1.0 and at the GPU count;
+* OUT_PREFIX-replicate.png: replicate time vs module count (log-log, one line per mode).
+
+Defaults: OUT.md = RESULTS with the suffix .md, OUT_PREFIX = RESULTS without its suffix. Missing
+sections are left out (smoke results have few records); a plot with no data is not written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from collections import OrderedDict
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common
+
+Record = dict[str, Any]
+
+# Display order of modes; unknown modes come after, in order of appearance.
+MODE_ORDER = [
+    "single", "torch_dp", "torch_dp_balanced", "libtorch_dp", "torchdp", "torchdp_balanced",
+    "torchdp_functional", "ddp", "torch_replicate", "libtorch_replicate", "torchdp_replicate",
+]
+DTYPE_ORDER = ["fp32", "tf32", "bf16", "fp16"]
+CPP_BENCHES = ("cpp_train_step", "cpp_replicate")
+REPLICATE_BENCHES = ("replicate", "replicate_curve", "cpp_replicate")
+
+
+# ---- loading ------------------------------------------------------------------------------------
+
+
+def load_results(paths: list[str]) -> tuple[dict[str, Any], list[dict[str, Any]], list[Record],
+                                             list[str]]:
+    """(main machine block, further machine blocks, records, warnings)."""
+    machine: dict[str, Any] = {}
+    extra_machines: list[dict[str, Any]] = []
+    records: list[Record] = []
+    warnings: list[str] = []
+    for i, path in enumerate(paths):
+        try:
+            data = common.load(path)
+        except ValueError as e:
+            # Keep going with what is readable; invalid records are listed as such.
+            warnings.append(f"{path}: {e}")
+            data = json.loads(Path(path).read_text())
+            if not isinstance(data, dict):
+                raise SystemExit(f"{path}: not a torchdp benchmark results file") from e
+        m = data.get("machine") or {}
+        if i == 0:
+            machine = m
+        else:
+            extra_machines.append(m)
+        for r in data.get("records") or []:
+            if not isinstance(r, dict):
+                continue
+            try:
+                common.validate_record(r)
+            except ValueError as e:
+                r = dict(r)
+                r.setdefault("error", f"invalid record: {e}")
+            records.append(r)
+    # A merged file may carry the C++ benchmark's machine block inside the main one.
+    for key in ("cpp", "cpp_machine"):
+        if isinstance(machine.get(key), dict):
+            extra_machines.append(machine[key])
+    return machine, extra_machines, records, warnings
+
+
+# ---- formatting ---------------------------------------------------------------------------------
+
+
+def num(v: Any) -> float | None:
+    if isinstance(v, bool) or v is None:
+        return None
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return None
+    return f if math.isfinite(f) else None
+
+
+def fmt_ms(v: Any) -> str:
+    f = num(v)
+    if f is None:
+        return "—"
+    if f >= 100:
+        return f"{f:.0f}"
+    if f >= 10:
+        return f"{f:.1f}"
+    return f"{f:.2f}"
+
+
+def fmt_x(v: Any) -> str:
+    f = num(v)
+    return "—" if f is None else f"{f:.2f}x"
+
+
+def fmt_gib(values: Any) -> str:
+    if not isinstance(values, (list, tuple)) or not values:
+        return "—"
+    return "[" + ", ".join(f"{float(v):.2f}" for v in values if num(v) is not None) + "]"
+
+
+def cell(text: Any) -> str:
+    s = "—" if text is None else str(text)
+    return s.replace("|", "\\|").replace("\n", " ")
+
+
+def one_line(text: Any) -> str:
+    return " ".join(str(text).split())
+
+
+def table(headers: list[str], rows: list[list[Any]]) -> list[str]:
+    out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    out += ["| " + " | ".join(cell(c) for c in row) + " |" for row in rows]
+    return out + [""]
+
+
+def mode_key(mode: str, seen: list[str]) -> tuple[int, int]:
+    if mode in MODE_ORDER:
+        return (0, MODE_ORDER.index(mode))
+    if mode not in seen:
+        seen.append(mode)
+    return (1, seen.index(mode))
+
+
+def ordered(records: Iterable[Record]) -> list[Record]:
+    """Records sorted by model (first appearance), dtype, gpus and mode."""
+    records = list(records)
+    models: list[str] = []
+    for r in records:
+        if r.get("model") not in models:
+            models.append(r.get("model"))
+    seen: list[str] = []
+
+    def dtype_key(d: Any) -> tuple[int, str]:
+        d = str(d)
+        return (DTYPE_ORDER.index(d), "") if d in DTYPE_ORDER else (len(DTYPE_ORDER), d)
+
+    return sorted(records, key=lambda r: (models.index(r.get("model")), dtype_key(r.get("dtype")),
+                                          num(r.get("gpus")) or 0,
+                                          mode_key(str(r.get("mode")), seen)))
+
+
+def failed(r: Record) -> bool:
+    return bool(r.get("error")) or bool(r.get("skipped"))
+
+
+def time_of(r: Record) -> float | None:
+    return num(r.get("step_ms_median", r.get("replicate_ms_median")))
+
+
+def spread(r: Record, prefix: str) -> str:
+    lo, hi = num(r.get(f"{prefix}_p10")), num(r.get(f"{prefix}_p90"))
+    if lo is None or hi is None:
+        return "—"
+    return f"{fmt_ms(lo)}–{fmt_ms(hi)}"
+
+
+def gpus_cell(r: Record) -> str:
+    """The GPU count; smoke runs record 0 GPUs and their CPU replicas separately."""
+    g, replicas = r.get("gpus"), r.get("replicas")
+    if num(g) == 0 and replicas:
+        return f"0 ({replicas} CPU replica{'s' if num(replicas) != 1 else ''})"
+    return "—" if g is None else str(g)
+
+
+def is_ddp(mode: str) -> bool:
+    return "ddp" in mode.lower() or "distributed" in mode.lower()
+
+
+def grads_cell(r: Record) -> str:
+    """bench_train_step's gradient check of torchdp against torch.nn.DataParallel."""
+    diff = num(r.get("grads_max_abs_diff"))
+    detail = f" (max abs diff {diff:.1e})" if diff is not None else ""
+    for key in ("grads_match_torch_dp", "grads_match"):
+        v = r.get(key)
+        if isinstance(v, bool):
+            return ("yes" if v else "**no**") + detail
+    if r.get("grads_check_error"):
+        return "check failed"
+    return "—"
+
+
+# ---- sections -----------------------------------------------------------------------------------
+
+
+def machine_section(machine: dict[str, Any], extra: list[dict[str, Any]]) -> list[str]:
+    gpus = machine.get("gpus") or []
+    gpu_text = f"{len(gpus)}x {gpus[0]}" if gpus and len(set(gpus)) == 1 else (
+        ", ".join(gpus) if gpus else "none (CPU)")
+    rev = str(machine.get("torchdp_git_revision") or "—")
+    rows = [
+        ("GPUs", gpu_text),
+        ("Driver", machine.get("driver")),
+        ("torch", machine.get("torch")),
+        ("CUDA", machine.get("cuda")),
+        ("cuDNN", machine.get("cudnn")),
+        ("NCCL", machine.get("nccl")),
+        ("torchvision", machine.get("torchvision")),
+        ("torchdp", f"{machine.get('torchdp') or '—'} (CUDA {machine.get('torchdp_has_cuda')}, "
+                    f"NCCL {machine.get('torchdp_has_nccl')})" if machine else None),
+        ("torchdp revision", rev[:12] if len(rev) == 40 else rev),
+        ("Python", machine.get("python")),
+        ("Platform", machine.get("platform")),
+        ("CPU cores", machine.get("cpu_count")),
+        ("Date", machine.get("date")),
+    ]
+    lines = ["## Machine", ""]
+    lines += table(["", ""], [[k, v if v not in (None, "") else "—"] for k, v in rows])
+    topo = machine.get("gpu_topology")
+    if topo:
+        lines += ["GPU topology (`nvidia-smi topo -m`, first lines):", "", "```"]
+        lines += [str(t) for t in topo] + ["```", ""]
+    for m in extra:
+        if not m:
+            continue
+        label = "C++ benchmark" if m.get("source") == "cpp" else "Further file"
+        items = ", ".join(f"{k}: {v}" for k, v in m.items() if not isinstance(v, (dict, list)))
+        lines += [f"{label}: {items}", ""]
+    return lines
+
+
+def train_section(records: list[Record]) -> list[str]:
+    train = [r for r in records if "step_ms_median" in r and r.get("bench") not in CPP_BENCHES]
+    ok = [r for r in train if not failed(r)]
+    if not ok:
+        return []
+    # DDP reference per (bench, model, dtype, gpus).
+    ddp: dict[tuple, float] = {}
+    for r in ok:
+        t = time_of(r)
+        if is_ddp(str(r.get("mode"))) and t:
+            ddp[(r.get("bench"), r.get("model"), r.get("dtype"), r.get("gpus"))] = t
+    lines = ["## Training steps", "",
+             ("Median of the timed steps (zero_grad, forward, loss, backward, optimizer step); "
+             "p10–p90 spread; speedup = one-GPU time / time; ratio to DDP = time / DDP time "
+             "(below 1: faster than DDP)."), ""]
+    rows = []
+    for r in ordered(ok):
+        ratio = num(r.get("ratio_to_ddp"))
+        if ratio is None:
+            ref = ddp.get((r.get("bench"), r.get("model"), r.get("dtype"), r.get("gpus")))
+            t = time_of(r)
+            ratio = t / ref if ref and t and not is_ddp(str(r.get("mode"))) else None
+        ratio = "—" if ratio is None or is_ddp(str(r.get("mode"))) else f"{ratio:.2f}"
+        rows.append([r.get("model"), r.get("dtype"), r.get("mode"), gpus_cell(r),
+                     fmt_ms(r.get("step_ms_median")), spread(r, "step_ms"),
+                     fmt_x(r.get("speedup_vs_single")), ratio, fmt_gib(r.get("peak_mem_gib")),
+                     grads_cell(r)])
+    lines += table(["model", "dtype", "mode", "gpus", "median ms", "p10–p90 ms",
+                    "speedup vs single", "ratio to DDP", "peak GiB per GPU", "grads match"], rows)
+    return lines
+
+
+def memory_section(records: list[Record]) -> list[str]:
+    mem = [r for r in records if not failed(r) and isinstance(r.get("peak_mem_gib"), list)
+           and r["peak_mem_gib"] and r.get("bench") not in REPLICATE_BENCHES]
+    if not mem:
+        return []
+    lines = ["## Peak memory", "",
+             ("Peak allocated memory per GPU (GiB) during the timed steps; GPU0/GPU1 > 1 means the "
+             "first GPU carries more (gathered outputs, the original module)."), ""]
+    rows = []
+    for r in ordered(mem):
+        peaks = [num(v) for v in r["peak_mem_gib"]]
+        ratio = num(r.get("mem_ratio_gpu0_gpu1"))
+        if ratio is None and len(peaks) >= 2 and peaks[0] is not None and peaks[1]:
+            ratio = peaks[0] / peaks[1]
+        ratio = "—" if ratio is None else f"{ratio:.2f}"
+        rows.append([r.get("bench"), r.get("model"), r.get("dtype"), r.get("mode"), gpus_cell(r),
+                     fmt_gib(r["peak_mem_gib"]), ratio])
+    lines += table(["bench", "model", "dtype", "mode", "gpus", "peak GiB per GPU", "GPU0/GPU1"],
+                   rows)
+    return lines
+
+
+def pivot(records: list[Record], bench: str) -> OrderedDict[tuple, dict[str, Record]]:
+    """{(model, gpus): {mode: record}} of one bench, in order of appearance."""
+    groups: OrderedDict[tuple, dict[str, Record]] = OrderedDict()
+    for r in records:
+        if r.get("bench") != bench:
+            continue
+        groups.setdefault((r.get("model"), r.get("gpus")), {})[str(r.get("mode"))] = r
+    return groups
+
+
+def replicate_section(records: list[Record]) -> list[str]:
+    lines: list[str] = []
+    groups = pivot(records, "replicate")
+    rows = []
+    for (model, gpus), modes in groups.items():
+        t, d = modes.get("torch_replicate", {}), modes.get("torchdp_replicate", {})
+        if time_of(t) is None and time_of(d) is None:
+            continue
+        speed = d.get("speedup_vs_torch")
+        if speed is None and time_of(t) and time_of(d):
+            speed = time_of(t) / time_of(d)
+        rows.append([model, gpus, d.get("modules", t.get("modules")), fmt_ms(time_of(t)),
+                     fmt_ms(time_of(d)), fmt_x(speed)])
+    if rows:
+        lines += ["## Replicate", "",
+                  ("One differentiable `replicate()` onto all GPUs (median ms): "
+                  "`torch.nn.parallel.replicate` vs `torchdp.replicate`; speedup = torch / torchdp."),
+                  ""]
+        lines += table(["model", "gpus", "modules", "torch ms", "torchdp ms", "speedup"], rows)
+
+    groups = pivot(records, "replicate_curve")
+    rows = []
+    for (model, gpus), modes in sorted(groups.items(), key=lambda kv: _modules(kv[1])):
+        t, d = modes.get("torch_replicate", {}), modes.get("torchdp_replicate", {})
+        if time_of(t) is None and time_of(d) is None:
+            continue
+        speed = d.get("speedup_vs_torch")
+        if speed is None and time_of(t) and time_of(d):
+            speed = time_of(t) / time_of(d)
+        mods = _modules(modes)
+        per_t = f"{1e3 * time_of(t) / mods:.1f}" if time_of(t) and mods else "—"
+        per_d = f"{1e3 * time_of(d) / mods:.1f}" if time_of(d) and mods else "—"
+        rows.append([model, gpus, mods or "—", fmt_ms(time_of(t)), fmt_ms(time_of(d)),
+                     fmt_x(speed), per_t, per_d])
+    if rows:
+        lines += ["## Replicate time vs module count", "",
+                  "`nn.Sequential` of k `Linear(16, 16)`; modules = len(list(net.modules())).", ""]
+        lines += table(["model", "gpus", "modules", "torch ms", "torchdp ms", "speedup",
+                        "torch µs/module", "torchdp µs/module"], rows)
+    return lines
+
+
+def _modules(modes: dict[str, Record]) -> int:
+    for r in modes.values():
+        m = num(r.get("modules"))
+        if m:
+            return int(m)
+    return 0
+
+
+def cpp_section(records: list[Record]) -> list[str]:
+    train = [r for r in records if r.get("bench") == "cpp_train_step" and not failed(r)]
+    rep = [r for r in records if r.get("bench") == "cpp_replicate" and not failed(r)]
+    if not train and not rep:
+        return []
+    lines = ["## C++ (LibTorch)", ""]
+    if train:
+        lines += [("Training steps: one device, LibTorch's `torch::nn::parallel::data_parallel`, "
+                  "`torchdp::DataParallel` and `torchdp::data_parallel`. First-step loss: the same "
+                  "value across modes means the same computation (BatchNorm models differ under "
+                  "data parallelism: per-replica batch statistics)."), ""]
+        rows = [[r.get("model"), r.get("mode"), r.get("gpus"), fmt_ms(r.get("step_ms_median")),
+                 spread(r, "step_ms"), fmt_x(r.get("speedup_vs_single")),
+                 fmt_x(r.get("speedup_vs_libtorch")), fmt_gib(r.get("peak_mem_gib")),
+                 f"{num(r['loss_first']):.6g}" if num(r.get("loss_first")) is not None else "—"]
+                for r in ordered(train)]
+        lines += table(["model", "mode", "gpus", "median ms", "p10–p90 ms", "speedup vs single",
+                        "vs LibTorch", "peak GiB per GPU", "first-step loss"], rows)
+    if rep:
+        lines += [("Replicate: one differentiable `replicate()` onto all devices "
+                  "(`torch::nn::parallel::replicate` deep-clones; `torchdp::replicate` refreshes "
+                  "cached replicas)."), ""]
+        rows = [[r.get("model"), r.get("mode"), r.get("gpus"), r.get("modules", "—"),
+                 fmt_ms(r.get("replicate_ms_median")), spread(r, "replicate_ms"),
+                 fmt_x(r.get("speedup_vs_libtorch"))] for r in ordered(rep)]
+        lines += table(["model", "mode", "gpus", "modules", "median ms", "p10–p90 ms",
+                        "vs LibTorch"], rows)
+    return lines
+
+
+def problems_section(records: list[Record], warnings: list[str],
+                     run_failures: list[Any]) -> list[str]:
+    errors = [r for r in records if r.get("error")]
+    skipped = [r for r in records if r.get("skipped") and not r.get("error")]
+    lines: list[str] = []
+    if errors or warnings or run_failures:
+        lines += ["## Failed configurations", ""]
+        lines += [f"- run: {one_line(f)}" for f in run_failures]
+        lines += [f"- report: {one_line(w)}" for w in warnings]
+        lines += [f"- {r.get('bench')} / {r.get('model')} / {r.get('dtype')} / {r.get('mode')} / "
+                  f"{r.get('gpus')} GPUs: {one_line(r.get('error'))}" for r in errors]
+        lines.append("")
+    if skipped:
+        lines += ["## Skipped configurations", ""]
+        lines += [f"- {r.get('bench')} / {r.get('model')} / {r.get('mode')}: "
+                  f"{one_line(r.get('skipped'))}" for r in skipped]
+        lines.append("")
+    return lines
+
+
+# ---- plots --------------------------------------------------------------------------------------
+
+
+def plot_speedup(records: list[Record], machine: dict[str, Any], path: str) -> str | None:
+    bars = [r for r in records if not failed(r) and num(r.get("speedup_vs_single")) is not None
+            and "step_ms_median" in r and str(r.get("mode")) != "single"]
+    if not bars:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups: list[str] = []
+    modes: list[str] = []
+    seen: list[str] = []
+    values: dict[tuple[str, str], float] = {}
+    # A mode measured at several GPU counts gets one bar per count.
+    def devices_of(r: Record) -> int:  # smoke runs: 0 GPUs, n CPU replicas
+        return int(num(r.get("gpus")) or num(r.get("replicas")) or 0)
+
+    counts: dict[str, set[int]] = {}
+    for r in bars:
+        counts.setdefault(str(r.get("mode")), set()).add(devices_of(r))
+    base_mode: dict[str, tuple[str, int]] = {}
+    for r in ordered(bars):
+        g = f"{r.get('model')}\n{r.get('dtype')}"
+        m = str(r.get("mode"))
+        base_mode.setdefault(m, (m, devices_of(r)))
+        if len(counts[m]) > 1:
+            base = m
+            m += f" ({devices_of(r)} devices)"
+            base_mode[m] = (base, devices_of(r))
+        if g not in groups:
+            groups.append(g)
+        if m not in modes:
+            modes.append(m)
+        values[(g, m)] = float(r["speedup_vs_single"])
+    modes.sort(key=lambda m: (mode_key(base_mode[m][0], seen), base_mode[m][1]))
+    n_gpus = max([devices_of(r) for r in bars] + [int(machine.get("gpu_count") or 0)])
+    # Each group centres the bars of the modes it has (the C++ models have other modes than the
+    # Python ones); a mode keeps its colour everywhere.
+    widest = max(sum((g, m) in values for m in modes) for g in groups)
+    width = 0.8 / max(1, widest)
+    fig, ax = plt.subplots(figsize=(max(7.0, 0.45 * len(values) + 3), 5.2))
+    cmap = plt.get_cmap("tab10")
+    colors = {m: cmap(i % 10) for i, m in enumerate(modes)}
+    labelled: set[str] = set()
+    for j, g in enumerate(groups):
+        present = [m for m in modes if (g, m) in values]
+        for i, m in enumerate(present):
+            x = j + (i - (len(present) - 1) / 2) * width
+            y = values[(g, m)]
+            ax.bar([x], [y], width, color=colors[m], label=None if m in labelled else m)
+            labelled.add(m)
+            ax.annotate(f"{y:.2f}", (x, y), ha="center", va="bottom", fontsize=6.5,
+                        xytext=(0, 1), textcoords="offset points")
+    ax.axhline(1.0, color="black", linestyle="--", linewidth=1, label="one GPU (1.0)")
+    if n_gpus > 1:
+        ax.axhline(float(n_gpus), color="gray", linestyle="--", linewidth=1,
+                   label=f"{n_gpus} devices, ideal ({n_gpus}.0)")
+    ax.set_xticks(range(len(groups)))
+    ax.set_xticklabels(groups, fontsize=8)
+    ax.set_ylabel("speedup over one GPU")
+    title = machine_name_text(machine)
+    ax.set_title(f"Training-step speedup over one GPU{title}")
+    ax.legend(fontsize=8, ncol=min(4, len(modes) + 2), loc="upper center",
+              bbox_to_anchor=(0.5, -0.14), frameon=False)
+    ax.set_ylim(0, max([n_gpus * 1.15, 1.3] + [v * 1.15 for v in values.values()]))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_replicate(records: list[Record], machine: dict[str, Any], path: str) -> str | None:
+    curve = [r for r in records if r.get("bench") == "replicate_curve" and not failed(r)
+             and time_of(r) and num(r.get("modules"))]
+    if not curve:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.8))
+    seen: list[str] = []
+    modes = sorted({str(r.get("mode")) for r in curve}, key=lambda m: mode_key(m, seen))
+    for m in modes:
+        pts = sorted((num(r["modules"]), time_of(r), num(r.get("replicate_ms_p10")),
+                      num(r.get("replicate_ms_p90"))) for r in curve if str(r.get("mode")) == m)
+        xs = [p[0] for p in pts]
+        ys = [p[1] for p in pts]
+        ax.plot(xs, ys, marker="o", label=m)
+        lo = [p[2] if p[2] is not None else p[1] for p in pts]
+        hi = [p[3] if p[3] is not None else p[1] for p in pts]
+        ax.fill_between(xs, lo, hi, alpha=0.2)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("modules in the network")
+    ax.set_ylabel("replicate() time, ms (median, p10–p90 band)")
+    ax.set_title(f"Replicate time vs module count{machine_name_text(machine)}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_placeholder(path: str, text: str) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 2.0))
+    ax.axis("off")
+    ax.text(0.5, 0.5, text, ha="center", va="center")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def machine_name_text(machine: dict[str, Any]) -> str:
+    try:
+        name = common.machine_name(machine)
+    except Exception:  # noqa: BLE001
+        return ""
+    return f" ({name})" if name else ""
+
+
+# ---- main ---------------------------------------------------------------------------------------
+
+
+def render(paths: list[str], md_path: str, plot_prefix: str | None) -> str:
+    machine, extra, records, warnings = load_results(paths)
+    smoke = any(r.get("smoke") for r in records) or any(m.get("smoke") for m in extra)
+    plots: list[tuple[str, str]] = []
+    if plot_prefix:
+        Path(plot_prefix).parent.mkdir(parents=True, exist_ok=True)
+        for title, fn, suffix in (("Speedup over one GPU", plot_speedup, "speedup"),
+                                  ("Replicate time vs module count", plot_replicate,
+                                   "replicate")):
+            path = f"{plot_prefix}-{suffix}.png"
+            try:
+                out = fn(records, machine, path)
+                if out is None:  # keep the file set of a run complete: a placeholder
+                    out = plot_placeholder(path, f"{title}: no records in this run")
+                    title += " (no records in this run)"
+            except Exception as e:  # noqa: BLE001 - the tables still get written
+                warnings.append(f"plot {suffix} failed: {type(e).__name__}: {e}")
+                out = None
+            if out:
+                plots.append((title, out))
+
+    lines = [f"# torchdp benchmarks{machine_name_text(machine)}", ""]
+    if smoke:
+        lines += [("**Smoke run**: tiny models on CPU device lists; the timings check that "
+                  "everything runs and mean nothing."), ""]
+    lines += [f"Source: {', '.join(f'`{p}`' for p in paths)}; {len(records)} records.", ""]
+    lines += machine_section(machine, extra)
+    for section in (train_section, memory_section, replicate_section, cpp_section):
+        lines += section(records)
+    if plots:
+        md_dir = Path(md_path).resolve().parent
+        lines += ["## Plots", ""]
+        for title, p in plots:
+            rel = os.path.relpath(Path(p).resolve(), md_dir)
+            lines += [f"![{title}]({rel})", ""]
+    run_failures = machine.get("failures")
+    lines += problems_section(records, warnings,
+                              run_failures if isinstance(run_failures, list) else [])
+    text = "\n".join(lines).rstrip() + "\n"
+    Path(md_path).parent.mkdir(parents=True, exist_ok=True)
+    Path(md_path).write_text(text)
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=__doc__.split("\n\n", 1)[1])
+    parser.add_argument("results", nargs="+", help="results JSON file(s); the first is the main one")
+    parser.add_argument("--md", default=None, help="Markdown file to write (default: RESULTS.md)")
+    parser.add_argument("--plots", default=None,
+                        help="prefix of the PNG plots (default: RESULTS without suffix)")
+    parser.add_argument("--no-plots", action="store_true", help="write no plots")
+    args = parser.parse_args(argv)
+    first = Path(args.results[0])
+    md = args.md or str(first.with_suffix(".md"))
+    prefix = None if args.no_plots else (args.plots or str(first.with_suffix("")))
+    render(args.results, md, prefix)
+    common.progress(f"wrote {md}" + (f" and plots {prefix}-*.png" if prefix else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

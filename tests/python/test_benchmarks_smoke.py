@@ -1,0 +1,53 @@
+"""The benchmark suite's smoke mode: every script runs on the CPU with a few steps and writes a valid
+results file, a Markdown report and the plots. This checks that the suite works, not how fast
+anything is (timings are only meaningful from `make bench` on GPUs)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import common  # noqa: E402
+
+
+def test_run_all_smoke_writes_valid_results(tmp_path):
+    cpp = os.environ.get("TORCHDP_BENCH_CPP")
+    if not cpp or not Path(cpp).exists():
+        pytest.skip("TORCHDP_BENCH_CPP does not name the built torchdp_bench_cpp (make test sets it)")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "python"), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "run_all.py"), "--smoke", "--cpp-bin", cpp,
+         "--out-dir", str(tmp_path), "--name", "ci"],
+        env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    data = common.load(tmp_path / "ci-smoke.json")
+    benches = {r["bench"] for r in data["records"]}
+    assert {"train_step", "memory", "replicate", "replicate_curve", "cpp_train_step"} <= benches
+    assert data["machine"]["torch"]
+    assert data["machine"]["torchdp_git_revision"]
+    assert data["machine"]["failures"] == []
+    timed = [r for r in data["records"] if "error" not in r and r.get("step_ms_median")]
+    assert timed and all(r["step_ms_median"] > 0 for r in timed)
+    report = (tmp_path / "ci-smoke.md").read_text()
+    assert "torchdp" in report and "|" in report
+    for suffix in ("speedup", "replicate"):
+        png = tmp_path / f"ci-smoke-{suffix}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    json.dumps(data)  # round-trips
+
+
+def test_results_validation_rejects_incomplete_records():
+    with pytest.raises(ValueError, match="lacks"):
+        common.validate_record({"bench": "train_step", "model": "mlp200"})
+    common.validate_record({"bench": "x", "model": "m", "mode": "torchdp", "gpus": 2,
+                            "dtype": "fp32", "speedup_vs_single": None, "peak_mem_gib": [],
+                            "step_ms_median": 1.0})
