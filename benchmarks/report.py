@@ -514,6 +514,55 @@ def plot_replicate(records: list[Record], machine: dict[str, Any], path: str) ->
     return path
 
 
+def plot_scaling(records: list[Record], machine: dict[str, Any], path: str) -> str | None:
+    """Speedup over one GPU against the GPU count (1, 2, 4, 8, ...), one panel per model and dtype
+    of the train-step benchmark, one line per multi-GPU mode, with the ideal speedup dashed."""
+    train = [r for r in records if r.get("bench") == "train_step" and not failed(r)
+             and num(r.get("speedup_vs_single")) is not None and not r.get("smoke")]
+    panels: OrderedDict[tuple[str, str], dict[str, dict[int, float]]] = OrderedDict()
+    for r in train:
+        key = (str(r.get("model")), str(r.get("dtype")))
+        mode = str(r.get("mode"))
+        gpus = int(r.get("gpus") or 1)
+        panels.setdefault(key, {})
+        if mode == "single":
+            continue
+        panels[key].setdefault(mode, {1: 1.0})[gpus] = float(r["speedup_vs_single"])
+    panels = OrderedDict((k, v) for k, v in panels.items() if v)
+    if not panels:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cols = min(3, len(panels))
+    rows = (len(panels) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
+    top = max(g for modes in panels.values() for line in modes.values() for g in line)
+    for ax, ((model, dtype), modes) in zip(axes.flat, panels.items()):
+        counts = sorted({1, *(g for line in modes.values() for g in line)})
+        ax.plot(counts, counts, "k--", linewidth=0.8, label="ideal")
+        for mode, line in modes.items():
+            xs = sorted(line)
+            ax.plot(xs, [line[x] for x in xs], marker="o", label=mode)
+        ax.set_title(f"{model} {dtype}")
+        ax.set_xticks(counts)
+        ax.set_xlim(0.8, top + 0.2)
+        ax.set_ylim(0, top + 0.2)
+        ax.set_xlabel("GPUs")
+        ax.set_ylabel("speedup over one GPU")
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=8)
+    fig.suptitle(f"Scaling with the GPU count{machine_name_text(machine)}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plot_placeholder(path: str, text: str) -> str:
     import matplotlib
 
@@ -547,7 +596,8 @@ def render(paths: list[str], md_path: str, plot_prefix: str | None) -> str:
         Path(plot_prefix).parent.mkdir(parents=True, exist_ok=True)
         for title, fn, suffix in (("Speedup over one GPU", plot_speedup, "speedup"),
                                   ("Replicate time vs module count", plot_replicate,
-                                   "replicate")):
+                                   "replicate"),
+                                  ("Scaling with the GPU count", plot_scaling, "scaling")):
             path = f"{plot_prefix}-{suffix}.png"
             try:
                 out = fn(records, machine, path)
