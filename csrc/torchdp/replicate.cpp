@@ -211,7 +211,6 @@ struct Replicator::State {
   std::mutex mutex;
   std::vector<ReplicaSet> sets; // most recently used last
   int64_t builds = 0;
-  std::shared_ptr<Module> keep; // the module, for module()
 };
 
 Replicator::Replicator(std::shared_ptr<Module> module, CloneFn clone)
@@ -243,9 +242,8 @@ int64_t Replicator::skeleton_builds() const {
   return state_->builds;
 }
 
-const std::shared_ptr<Module>& Replicator::module() const {
-  state_->keep = state_->module.lock();
-  return state_->keep;
+std::shared_ptr<Module> Replicator::module() const {
+  return state_->module.lock();
 }
 
 std::vector<std::shared_ptr<Module>> Replicator::replicate(

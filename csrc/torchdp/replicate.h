@@ -56,7 +56,8 @@ class Replicator {
   void invalidate();
   /// How many times skeletons were built (once per device list, plus once per invalidation).
   int64_t skeleton_builds() const;
-  const std::shared_ptr<torch::nn::Module>& module() const;
+  /// The replicated module (null once it was destroyed: a Replicator does not keep it alive).
+  std::shared_ptr<torch::nn::Module> module() const;
 
  private:
   struct State;

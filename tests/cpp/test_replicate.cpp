@@ -114,6 +114,7 @@ TEST_CASE("replica skeletons are built once and refreshed on later calls", "[cpu
   }
   auto second = replicator.replicate(cpu_devices(2));
   CHECK(replicator.skeleton_builds() == 1);
+  CHECK(replicator.module().get() == linear.get());
   CHECK(first[1].get() == second[1].get());
   auto replica = std::dynamic_pointer_cast<torch::nn::LinearImpl>(second[1]);
   CHECK(torch::equal(replica->weight, linear->weight));
@@ -269,4 +270,16 @@ TEST_CASE("a device may be listed more than once", "[cpu][replicate]") {
   REQUIRE(replicas.size() == 4);
   CHECK(replicas[2].get() != replicas[3].get());
   CHECK(replicas[2]->weight.data_ptr() != replicas[3]->weight.data_ptr());
+}
+
+TEST_CASE("a Replicator does not keep its module alive", "[cpu][replicate]") {
+  auto linear = std::make_shared<torch::nn::LinearImpl>(2, 2);
+  torchdp::Replicator replicator(linear);
+  replicator.replicate(cpu_devices(2));
+  std::weak_ptr<torch::nn::LinearImpl> weak = linear;
+  linear.reset();
+  CHECK(weak.expired());
+  CHECK(replicator.module() == nullptr);
+  TORCHDP_CHECK_THROWS_WITH(replicator.replicate(cpu_devices(2)), "torchdp::replicate",
+                            "destroyed");
 }
