@@ -72,6 +72,21 @@ def _explicit_devices(devices: Sequence[DeviceLike], api: str) -> list[torch.dev
     return device_list
 
 
+def _resolve_explicit(
+    devices: Sequence[DeviceLike], device_ids: Any, output_device: Any, api: str
+) -> tuple[list[torch.device], Any]:
+    """The keyword-only ``devices=`` path: (device list, output device); rejects ``device_ids``
+    given as well."""
+    if device_ids is not None:
+        raise ValueError(
+            f"{api}: pass either device_ids= or devices=, not both "
+            f"(got device_ids={device_ids!r} and devices={devices!r})"
+        )
+    device_list = _explicit_devices(devices, api)
+    output = device_list[0] if output_device is None else _output_device_of(output_device, api)
+    return device_list, output
+
+
 def _check_module_device(
     module: nn.Module, src_device: torch.device
 ) -> tuple[str, str, torch.device] | None:
@@ -176,19 +191,12 @@ class DataParallel(_TorchDataParallel[T]):
         self._placed = False
 
         if devices is not None:
-            api = "torchdp.DataParallel"
-            if device_ids is not None:
-                raise ValueError(
-                    f"{api}: pass either device_ids= or devices=, not both "
-                    f"(got device_ids={device_ids!r} and devices={devices!r})"
-                )
-            device_list = _explicit_devices(devices, api)
+            device_list, self.output_device = _resolve_explicit(
+                devices, device_ids, output_device, "torchdp.DataParallel"
+            )
             self.dim = dim
             self.module = module
             self.device_ids = device_list
-            self.output_device = (
-                device_list[0] if output_device is None else _output_device_of(output_device, api)
-            )
             self.src_device_obj = device_list[0]
             if all(d.type == "cuda" for d in device_list) and torch.cuda.is_available():
                 _check_balance([operator.index(d.index) for d in device_list])
@@ -315,17 +323,10 @@ def data_parallel(
 
     used_ids: list[Any]
     if devices is not None:
-        api = "torchdp.data_parallel"
-        if device_ids is not None:
-            raise ValueError(
-                f"{api}: pass either device_ids= or devices=, not both "
-                f"(got device_ids={device_ids!r} and devices={devices!r})"
-            )
-        device_list = _explicit_devices(devices, api)
-        used_ids = list(device_list)
-        target: Any = (
-            device_list[0] if output_device is None else _output_device_of(output_device, api)
+        device_list, target = _resolve_explicit(
+            devices, device_ids, output_device, "torchdp.data_parallel"
         )
+        used_ids = list(device_list)
         src_device = device_list[0]
     else:
         device_type = _get_available_device_type()
