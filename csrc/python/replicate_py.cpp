@@ -13,6 +13,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <mutex>
+#include <optional>
 #include <set>
 #include <string>
 #include <unordered_map>
@@ -26,6 +27,225 @@ namespace {
 
 constexpr const char* kApi = "torchdp.replicate";
 
+// Note [Two ways to build a replica]
+// PyTorch builds every replica with module._replicate_for_data_parallel() and wires it with
+// setattr(), both Python code that costs microseconds per call: most of torch's replicate time.
+// For a module whose class keeps nn.Module's behaviour (no __new__, __setattr__ or
+// _replicate_for_data_parallel of its own, and plain dicts for _parameters / _buffers / _modules)
+// those calls have a known outcome, which torchdp produces directly with dictionary operations:
+//   replica = object.__new__(type(m)); replica.__dict__ = m.__dict__.copy() with a fresh
+//   _parameters = {}, copies of _buffers and _modules, _is_replica = True and
+//   _former_parameters = OrderedDict(); then children -> _modules[key], parameter copies ->
+//   __dict__[key] (an original Parameter, under detach on devices[0], -> _parameters[key], as
+//   register_parameter does) and _former_parameters[key], buffer copies -> _buffers[key].
+// The result is the replica PyTorch's code builds, attribute for attribute. Any other module (a
+// class with its own __setattr__, RNNs, lazy modules, ScriptModules, ...) is built the PyTorch way,
+// and so is every module while global module/parameter/buffer registration hooks are installed
+// (setattr would call them).
+
+PyObject* interned(const char* text) {
+  PyObject* s = PyUnicode_InternFromString(text);
+  if (s == nullptr) {
+    throw py::error_already_set();
+  }
+  return s;
+}
+
+// Python objects used on every call, looked up once. Never destroyed: they live as long as the
+// interpreter (destroying them at exit, after Python is gone, would crash).
+struct PythonRefs {
+  PyObject* key_parameters = interned("_parameters");
+  PyObject* key_buffers = interned("_buffers");
+  PyObject* key_modules = interned("_modules");
+  PyObject* key_former = interned("_former_parameters");
+  PyObject* key_is_replica = interned("_is_replica");
+  PyObject* key_dict = interned("__dict__");
+  py::object empty_tuple = py::reinterpret_steal<py::object>(PyTuple_New(0));
+  py::module_ module_module = py::module_::import("torch.nn.modules.module");
+  py::object module_type = module_module.attr("Module");
+  py::object module_setattr = module_type.attr("__setattr__");
+  py::object module_replicate = module_type.attr("_replicate_for_data_parallel");
+  py::object parameter_type = py::module_::import("torch.nn").attr("Parameter");
+  py::object script_module_type = py::module_::import("torch.jit").attr("ScriptModule");
+  py::object jit_state = py::module_::import("torch.jit._state");
+  py::object ordered_dict = py::module_::import("collections").attr("OrderedDict");
+  py::object empty_like = py::module_::import("torch").attr("empty_like");
+};
+
+const PythonRefs& refs() {
+  static PythonRefs* r = new PythonRefs();
+  return *r;
+}
+
+py::object steal_or_throw(PyObject* o) {
+  if (o == nullptr) {
+    throw py::error_already_set();
+  }
+  return py::reinterpret_steal<py::object>(o);
+}
+
+void dict_set(PyObject* dict, PyObject* key, PyObject* value) {
+  if (PyDict_SetItem(dict, key, value) < 0) {
+    throw py::error_already_set();
+  }
+}
+
+// The instance __dict__ of a module (never through a __getattr__ override).
+py::object instance_dict(py::handle obj) {
+  return steal_or_throw(PyObject_GenericGetDict(obj.ptr(), nullptr));
+}
+
+// dict[key] when it is an exact dict, else an empty object.
+py::object exact_dict_entry(py::handle dict, PyObject* key) {
+  PyObject* value = PyDict_GetItemWithError(dict.ptr(), key); // borrowed
+  if (value == nullptr) {
+    if (PyErr_Occurred()) {
+      throw py::error_already_set();
+    }
+    return py::object();
+  }
+  return PyDict_CheckExact(value) ? py::reinterpret_borrow<py::object>(value) : py::object();
+}
+
+bool same_attribute(py::handle type, const char* name, py::handle expected) {
+  return py::getattr(type, name, py::none()).is(expected);
+}
+
+struct TypeInfo {
+  bool plain = false;  // built with dictionary operations (Note [Two ways to build a replica])
+  bool script = false; // a torch.jit.ScriptModule
+  bool walkable = false; // named_modules() / modules() are nn.Module's
+  bool overrides_setattr = false;
+};
+
+// Per-call cache of what a module class allows (classes can be patched between calls).
+class TypeTable {
+ public:
+  const TypeInfo& of(py::handle obj) {
+    PyTypeObject* type = Py_TYPE(obj.ptr());
+    auto it = table_.find(type);
+    if (it != table_.end()) {
+      return it->second;
+    }
+    const auto& r = refs();
+    py::handle t(reinterpret_cast<PyObject*>(type));
+    TypeInfo info;
+    const int script = PyObject_IsSubclass(t.ptr(), r.script_module_type.ptr());
+    if (script < 0) {
+      throw py::error_already_set();
+    }
+    info.script = script == 1;
+    info.overrides_setattr = !same_attribute(t, "__setattr__", r.module_setattr);
+    info.walkable = same_attribute(t, "named_modules", r.module_type.attr("named_modules")) &&
+                    same_attribute(t, "modules", r.module_type.attr("modules"));
+    info.plain = !info.script && !info.overrides_setattr &&
+                 type->tp_new == PyBaseObject_Type.tp_new &&
+                 same_attribute(t, "_replicate_for_data_parallel", r.module_replicate);
+    return table_.emplace(type, info).first->second;
+  }
+
+ private:
+  std::unordered_map<PyTypeObject*, TypeInfo> table_;
+};
+
+// One module of the network, with its own dictionaries (exact dicts, or empty objects when the
+// module keeps them some other way).
+struct ModuleEntry {
+  py::object module;
+  py::object dict;
+  py::object params;
+  py::object buffers;
+  py::object children;
+  const TypeInfo* type = nullptr;
+  bool plain = false; // type->plain and all three dicts are exact dicts
+};
+
+struct Network {
+  std::vector<ModuleEntry> modules; // network.modules() order
+  std::unordered_map<PyObject*, size_t> index;
+  bool dicts_ok = true; // every module holds exact dicts (the C++ walks are exact)
+};
+
+ModuleEntry make_entry(py::handle module, TypeTable& types) {
+  ModuleEntry e;
+  e.module = py::reinterpret_borrow<py::object>(module);
+  e.type = &types.of(module);
+  e.dict = instance_dict(module);
+  if (PyDict_CheckExact(e.dict.ptr())) {
+    e.params = exact_dict_entry(e.dict, refs().key_parameters);
+    e.buffers = exact_dict_entry(e.dict, refs().key_buffers);
+    e.children = exact_dict_entry(e.dict, refs().key_modules);
+  }
+  e.plain = e.type->plain && e.params && e.buffers && e.children;
+  return e;
+}
+
+// network.modules(): pre-order, each module once, None children skipped. Walked in C++ over the
+// _modules dicts when every class keeps nn.Module's named_modules; otherwise asked from Python.
+Network walk_network(py::handle network, TypeTable& types) {
+  Network net;
+  bool exact = true;
+  std::vector<py::handle> stack{network};
+  while (exact && !stack.empty()) {
+    py::handle m = stack.back();
+    stack.pop_back();
+    if (net.index.count(m.ptr())) {
+      continue;
+    }
+    auto entry = make_entry(m, types);
+    if (!entry.type->walkable || !entry.children) {
+      exact = false;
+      break;
+    }
+    net.index.emplace(m.ptr(), net.modules.size());
+    // Children pushed in reverse so that they pop in dict order.
+    std::vector<py::handle> children;
+    PyObject *key = nullptr, *value = nullptr;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(entry.children.ptr(), &pos, &key, &value)) {
+      if (value != Py_None) {
+        children.emplace_back(value);
+      }
+    }
+    net.modules.push_back(std::move(entry));
+    stack.insert(stack.end(), children.rbegin(), children.rend());
+  }
+  if (exact) {
+    for (const auto& e : net.modules) {
+      net.dicts_ok = net.dicts_ok && e.params && e.buffers;
+    }
+    return net;
+  }
+  net = Network{};
+  net.dicts_ok = false;
+  for (auto m : network.attr("modules")()) {
+    net.index.emplace(m.ptr(), net.modules.size());
+    net.modules.push_back(make_entry(m, types));
+  }
+  return net;
+}
+
+// The rule of torch.nn.parallel.replicate._replicatable_module: with TorchScript enabled, a
+// ScriptModule may only have ScriptModules below it.
+void check_replicatable(const Network& net, TypeTable& types) {
+  bool any_script = false;
+  for (const auto& e : net.modules) {
+    any_script = any_script || e.type->script;
+  }
+  if (!any_script || !py::bool_(refs().jit_state.attr("_enabled"))) {
+    return;
+  }
+  for (const auto& e : net.modules) {
+    if (!e.type->script) {
+      continue;
+    }
+    for (auto below : e.module.attr("modules")()) {
+      TORCH_CHECK(types.of(below).script,
+                  "Cannot replicate network where python modules are children of ScriptModule");
+    }
+  }
+}
+
 // Note [Replica assignment and custom __setattr__]
 // PyTorch wires each replica with setattr(replica, key, copy), children first, then parameters,
 // then buffers, so that cooperative __setattr__ overrides (RNNBase keeps _flat_weights in sync) see
@@ -37,11 +257,6 @@ constexpr const char* kApi = "torchdp.replicate";
 //     (the original is never written), then calls setattr as PyTorch does;
 //   * checks that the replica now holds exactly the broadcast copy; if not, puts the copy in place
 //     directly (the device-check fallback) and warns once per class and attribute.
-
-bool overrides_setattr(py::handle replica, py::handle module_setattr) {
-  py::object setattr_fn = py::type::of(replica).attr("__setattr__");
-  return !setattr_fn.is(module_setattr);
-}
 
 void warn_once(const std::string& cls, const std::string& attr, const char* kind) {
   static std::mutex mutex;
@@ -64,6 +279,215 @@ void warn_once(const std::string& cls, const std::string& attr, const char* kind
   }
 }
 
+// The dictionaries of a replica built by new_plain_replica.
+struct ReplicaDicts {
+  py::object dict, params, buffers, modules, former;
+};
+
+// object.__new__(type(m)) with m's __dict__ copied as _replicate_for_data_parallel does, plus
+// _former_parameters (Note [Two ways to build a replica]).
+py::object new_plain_replica(const ModuleEntry& e, ReplicaDicts& out) {
+  const auto& r = refs();
+  PyTypeObject* type = Py_TYPE(e.module.ptr());
+  py::object replica = steal_or_throw(type->tp_new(type, r.empty_tuple.ptr(), nullptr));
+  out.dict = steal_or_throw(PyDict_Copy(e.dict.ptr()));
+  out.params = steal_or_throw(PyDict_New());
+  out.buffers = steal_or_throw(PyDict_Copy(e.buffers.ptr()));
+  out.modules = steal_or_throw(PyDict_Copy(e.children.ptr()));
+  out.former = r.ordered_dict();
+  dict_set(out.dict.ptr(), r.key_parameters, out.params.ptr());
+  dict_set(out.dict.ptr(), r.key_buffers, out.buffers.ptr());
+  dict_set(out.dict.ptr(), r.key_modules, out.modules.ptr());
+  dict_set(out.dict.ptr(), r.key_is_replica, Py_True);
+  dict_set(out.dict.ptr(), r.key_former, out.former.ptr());
+  if (PyObject_GenericSetAttr(replica.ptr(), r.key_dict, out.dict.ptr()) < 0) {
+    throw py::error_already_set();
+  }
+  return replica;
+}
+
+// The copies of the network's parameters and buffers, per device, as Python objects.
+struct TensorCopies {
+  std::unordered_map<PyObject*, size_t> param_index;
+  std::unordered_map<PyObject*, std::pair<bool, size_t>> buffer_index; // (requires grad, index)
+  std::vector<py::list> params, rg_buffers, plain_buffers;             // per device
+
+  py::handle param(size_t j, PyObject* original) const {
+    return params[j][param_index.at(original)];
+  }
+  py::handle buffer(size_t j, PyObject* original) const {
+    const auto where = buffer_index.at(original);
+    return where.first ? rg_buffers[j][where.second] : plain_buffers[j][where.second];
+  }
+};
+
+// list(network.parameters()) and list(network.buffers()): from the modules' dicts when the walk
+// was exact and the root keeps nn.Module's accessors, otherwise from Python.
+std::pair<py::list, py::list> parameters_and_buffers(py::handle network, const Network& net) {
+  const auto& r = refs();
+  bool exact = net.dicts_ok;
+  py::handle type(reinterpret_cast<PyObject*>(Py_TYPE(network.ptr())));
+  for (const char* name : {"parameters", "named_parameters", "buffers", "named_buffers",
+                           "_named_members"}) {
+    exact = exact && same_attribute(type, name, r.module_type.attr(name));
+  }
+  if (!exact) {
+    return {py::list(network.attr("parameters")()), py::list(network.attr("buffers")())};
+  }
+  auto collect = [&](py::object ModuleEntry::*member) {
+    py::list out;
+    std::unordered_map<PyObject*, bool> seen;
+    for (const auto& e : net.modules) {
+      PyObject *key = nullptr, *value = nullptr;
+      Py_ssize_t pos = 0;
+      while (PyDict_Next((e.*member).ptr(), &pos, &key, &value)) {
+        if (value != Py_None && seen.emplace(value, true).second) {
+          out.append(py::handle(value));
+        }
+      }
+    }
+    return out;
+  };
+  return {collect(&ModuleEntry::params), collect(&ModuleEntry::buffers)};
+}
+
+// Children, parameters and buffers of a plain replica, with dictionary operations.
+void wire_plain(const ModuleEntry& e, size_t j, const std::vector<py::list>& copies,
+                const std::vector<std::vector<ReplicaDicts>>& dicts, size_t i, const Network& net,
+                const TensorCopies& tensors, bool may_hold_originals) {
+  const auto& r = refs();
+  const auto& d = dicts[j][i];
+  py::handle replica = copies[j][i];
+  PyObject *key = nullptr, *value = nullptr;
+  Py_ssize_t pos = 0;
+  while (PyDict_Next(e.children.ptr(), &pos, &key, &value)) {
+    dict_set(d.modules.ptr(), key, value == Py_None ? Py_None : copies[j][net.index.at(value)].ptr());
+  }
+  pos = 0;
+  while (PyDict_Next(e.params.ptr(), &pos, &key, &value)) {
+    if (value == Py_None) {
+      dict_set(d.params.ptr(), key, Py_None);
+      continue;
+    }
+    py::handle copy = tensors.param(j, value);
+    int is_parameter = 0;
+    if (may_hold_originals) {
+      is_parameter = PyObject_IsInstance(copy.ptr(), r.parameter_type.ptr());
+      if (is_parameter < 0) {
+        throw py::error_already_set();
+      }
+    }
+    dict_set(is_parameter ? d.params.ptr() : d.dict.ptr(), key, copy.ptr());
+    if (PyObject_SetItem(d.former.ptr(), key, copy.ptr()) < 0) {
+      throw py::error_already_set();
+    }
+  }
+  pos = 0;
+  while (PyDict_Next(e.buffers.ptr(), &pos, &key, &value)) {
+    if (value == Py_None) {
+      continue; // the copied _buffers already holds None
+    }
+    py::handle copy = tensors.buffer(j, value);
+    if (may_hold_originals) {
+      const int is_parameter = PyObject_IsInstance(copy.ptr(), r.parameter_type.ptr());
+      if (is_parameter < 0) {
+        throw py::error_already_set();
+      }
+      if (is_parameter) { // a Parameter registered as a buffer: let setattr decide, as PyTorch
+        py::setattr(replica, key, copy);
+        continue;
+      }
+    }
+    dict_set(d.buffers.ptr(), key, copy.ptr());
+  }
+}
+
+// Children, parameters and buffers of the other replicas, through setattr as PyTorch does, key by
+// key and device by device (see Note [Replica assignment and custom __setattr__]).
+void wire_with_setattr(const ModuleEntry& e, size_t i, const std::vector<py::list>& copies,
+                       const Network& net, const TensorCopies& tensors) {
+  const auto& r = refs();
+  py::handle module = e.module;
+  const size_t n = copies.size();
+  const std::string cls = py::str(py::type::of(module).attr("__qualname__"));
+  py::dict children = module.attr("_modules");
+  for (auto item : children) {
+    for (const auto j : c10::irange(n)) {
+      py::object replica = copies[j][i];
+      if (item.second.is_none()) {
+        replica.attr("_modules")[item.first] = py::none();
+      } else {
+        py::setattr(replica, item.first, copies[j][net.index.at(item.second.ptr())]);
+      }
+    }
+  }
+  py::dict own_params = module.attr("_parameters");
+  for (auto item : own_params) {
+    const auto key = item.first;
+    for (const auto j : c10::irange(n)) {
+      py::object replica = copies[j][i];
+      if (item.second.is_none()) {
+        replica.attr("_parameters")[key] = py::none();
+        continue;
+      }
+      py::object copy = py::reinterpret_borrow<py::object>(tensors.param(j, item.second.ptr()));
+      py::setattr(replica, key, copy);
+      replica.attr("_former_parameters")[key] = copy;
+      if (!py::getattr(replica, key, py::none()).is(copy)) {
+        if (py::isinstance(copy, r.parameter_type)) {
+          replica.attr("_parameters")[key] = copy;
+        } else {
+          replica.attr("__dict__")[key] = copy;
+        }
+        warn_once(cls, py::str(key), "parameter");
+      }
+    }
+  }
+  py::dict own_buffers = module.attr("_buffers");
+  for (auto item : own_buffers) {
+    const auto key = item.first;
+    for (const auto j : c10::irange(n)) {
+      py::object replica = copies[j][i];
+      if (item.second.is_none()) {
+        replica.attr("_buffers")[key] = py::none();
+        continue;
+      }
+      py::object copy = py::reinterpret_borrow<py::object>(tensors.buffer(j, item.second.ptr()));
+      py::dict replica_buffers = replica.attr("_buffers");
+      if (e.type->overrides_setattr) {
+        replica_buffers[key] = r.empty_like(copy);
+      }
+      py::setattr(replica, key, copy);
+      replica_buffers = replica.attr("_buffers");
+      if (!replica_buffers.contains(key) || !py::object(replica_buffers[key]).is(copy)) {
+        replica_buffers[key] = copy;
+        warn_once(cls, py::str(key), "buffer");
+      }
+    }
+  }
+}
+
+const at::Tensor& tensor_of(py::handle value, const char* kind) {
+  TORCH_CHECK_TYPE(THPVariable_Check(value.ptr()), kApi, ": a registered ", kind,
+                   " of the network is not a tensor but ",
+                   std::string(py::str(py::type::of(value).attr("__qualname__"))),
+                   "; register tensors (or None) only");
+  return THPVariable_Unpack(value.ptr());
+}
+
+bool registration_hooks_installed() {
+  const auto& m = refs().module_module;
+  for (const char* name : {"_global_module_registration_hooks",
+                           "_global_parameter_registration_hooks",
+                           "_global_buffer_registration_hooks"}) {
+    py::object hooks = py::getattr(m, name, py::none());
+    if (!hooks.is_none() && py::len(hooks) > 0) {
+      return true;
+    }
+  }
+  return false;
+}
+
 std::vector<py::list> replicate(py::object network, const std::vector<c10::Device>& devices_in,
                                 bool detach) {
   if (devices_in.empty()) {
@@ -72,46 +496,38 @@ std::vector<py::list> replicate(py::object network, const std::vector<c10::Devic
   const auto devices = normalize_devices(devices_in, kApi);
   const size_t n = devices.size();
 
-  py::module_ torch_nn = py::module_::import("torch.nn");
-  py::object module_setattr = torch_nn.attr("Module").attr("__setattr__");
-  py::object ordered_dict = py::module_::import("collections").attr("OrderedDict");
-
-  py::list modules = py::list(network.attr("modules")());
-  py::list params = py::list(network.attr("parameters")());
-  py::list buffers = py::list(network.attr("buffers")());
-
-  std::unordered_map<PyObject*, size_t> module_index;
-  for (const auto i : c10::irange(modules.size())) {
-    module_index.emplace(modules[i].ptr(), i);
-  }
+  TypeTable types;
+  const Network net = walk_network(network, types);
+  check_replicatable(net, types);
+  auto [params, buffers] = parameters_and_buffers(network, net);
 
   // Parameters, and buffers split as PyTorch splits them: buffers that require grad are broadcast
   // differentiably (unless detached), the others never.
+  TensorCopies tensors;
   std::vector<at::Tensor> param_tensors;
-  std::unordered_map<PyObject*, size_t> param_index;
+  param_tensors.reserve(params.size());
   for (const auto i : c10::irange(params.size())) {
-    param_index.emplace(params[i].ptr(), i);
-    param_tensors.push_back(py::cast<at::Tensor>(params[i]));
+    tensors.param_index.emplace(params[i].ptr(), i);
+    param_tensors.push_back(tensor_of(params[i], "parameter"));
   }
   std::vector<at::Tensor> rg_buffers, plain_buffers;
-  std::unordered_map<PyObject*, std::pair<bool, size_t>> buffer_index;
   for (const auto i : c10::irange(buffers.size())) {
-    auto t = py::cast<at::Tensor>(buffers[i]);
+    const auto& t = tensor_of(buffers[i], "buffer");
     const bool rg = t.requires_grad() && !detach;
     auto& group = rg ? rg_buffers : plain_buffers;
-    buffer_index.emplace(buffers[i].ptr(), std::make_pair(rg, group.size()));
-    group.push_back(std::move(t));
+    tensors.buffer_index.emplace(buffers[i].ptr(), std::make_pair(rg, group.size()));
+    group.push_back(t);
   }
 
   // Every tensor must already be on devices[0]: name the first one that is not.
-  auto check_source = [&](const std::vector<at::Tensor>& tensors, const char* what) {
-    for (const auto& t : tensors) {
+  auto check_source = [&](const std::vector<at::Tensor>& group, const char* what) {
+    for (const auto& t : group) {
       if (detail::canonical(t.device()) != devices[0]) {
         std::string name = "?";
         const char* method = std::string(what) == "parameter" ? "named_parameters" : "named_buffers";
         for (auto item : network.attr(method)()) {
           auto pair = item.cast<py::tuple>();
-          if (py::cast<at::Tensor>(pair[1]).unsafeGetTensorImpl() == t.unsafeGetTensorImpl()) {
+          if (THPVariable_Unpack(pair[1].ptr()).unsafeGetTensorImpl() == t.unsafeGetTensorImpl()) {
             name = pair[0].cast<std::string>();
             break;
           }
@@ -129,12 +545,12 @@ std::vector<py::list> replicate(py::object network, const std::vector<c10::Devic
   std::vector<std::vector<at::Tensor>> param_copies, rg_copies, plain_copies;
   {
     py::gil_scoped_release no_gil;
-    auto broadcast = [&](const std::vector<at::Tensor>& tensors, bool differentiable) {
-      if (tensors.empty()) {
+    auto broadcast = [&](const std::vector<at::Tensor>& group, bool differentiable) {
+      if (group.empty()) {
         return std::vector<std::vector<at::Tensor>>(n);
       }
-      return differentiable ? autograd::broadcast_coalesced(tensors, devices)
-                            : comm::broadcast_coalesced(tensors, devices);
+      return differentiable ? autograd::broadcast_coalesced(group, devices)
+                            : comm::broadcast_coalesced(group, devices);
     };
     param_copies = broadcast(param_tensors, !detach);
     rg_copies = broadcast(rg_buffers, true);
@@ -142,95 +558,87 @@ std::vector<py::list> replicate(py::object network, const std::vector<c10::Devic
   }
 
   // Python objects for the copies (the dev0 outputs of a detached broadcast are the originals).
-  std::vector<py::list> py_params(n), py_rg(n), py_plain(n);
+  auto wrap = [](std::vector<at::Tensor>& group) {
+    py::list out(group.size());
+    for (const auto k : c10::irange(group.size())) {
+      out[k] = steal_or_throw(THPVariable_Wrap(std::move(group[k])));
+    }
+    return out;
+  };
+  tensors.params.resize(n);
+  tensors.rg_buffers.resize(n);
+  tensors.plain_buffers.resize(n);
   for (const auto j : c10::irange(n)) {
-    for (auto& t : param_copies[j]) {
-      py_params[j].append(py::cast(t));
-    }
-    for (auto& t : rg_copies[j]) {
-      py_rg[j].append(py::cast(t));
-    }
-    for (auto& t : plain_copies[j]) {
-      py_plain[j].append(py::cast(t));
-    }
+    tensors.params[j] = wrap(param_copies[j]);
+    tensors.rg_buffers[j] = wrap(rg_copies[j]);
+    tensors.plain_buffers[j] = wrap(plain_copies[j]);
   }
 
-  // One shallow copy per module and device; _replicate_for_data_parallel keeps the overrides of
-  // RNNBase, lazy modules, spectral norm, ScriptModule...
+  // One copy per module and device (Note [Two ways to build a replica]).
+  const bool fast = !registration_hooks_installed();
+  const size_t count = net.modules.size();
   std::vector<py::list> copies(n);
-  for (const auto i : c10::irange(modules.size())) {
-    py::handle module = modules[i];
+  std::vector<std::vector<ReplicaDicts>> dicts(n, std::vector<ReplicaDicts>(count));
+  for (const auto j : c10::irange(n)) {
+    copies[j] = py::list(count);
+  }
+  for (const auto i : c10::irange(count)) {
+    const auto& e = net.modules[i];
     for (const auto j : c10::irange(n)) {
-      py::object replica = module.attr("_replicate_for_data_parallel")();
-      replica.attr("_former_parameters") = ordered_dict();
-      copies[j].append(replica);
+      if (fast && e.plain) {
+        copies[j][i] = new_plain_replica(e, dicts[j][i]);
+      } else {
+        py::object replica = e.module.attr("_replicate_for_data_parallel")();
+        replica.attr("_former_parameters") = refs().ordered_dict();
+        copies[j][i] = replica;
+      }
     }
   }
-
-  py::object empty_like = py::module_::import("torch").attr("empty_like");
-  for (const auto i : c10::irange(modules.size())) {
-    py::handle module = modules[i];
-    const std::string cls = py::str(py::type::of(module).attr("__qualname__"));
-    // Children first, then parameters, then buffers (see Note [Replica assignment ...]).
-    py::dict children = module.attr("_modules");
-    for (auto item : children) {
-      const auto key = item.first;
-      for (const auto j : c10::irange(n)) {
-        py::object replica = copies[j][i];
-        if (item.second.is_none()) {
-          replica.attr("_modules")[key] = py::none();
-        } else {
-          py::setattr(replica, key, copies[j][module_index.at(item.second.ptr())]);
-        }
-      }
+  for (const auto i : c10::irange(count)) {
+    const auto& e = net.modules[i];
+    if (!(fast && e.plain)) {
+      wire_with_setattr(e, i, copies, net, tensors);
+      continue;
     }
-    py::dict own_params = module.attr("_parameters");
-    for (auto item : own_params) {
-      const auto key = item.first;
-      for (const auto j : c10::irange(n)) {
-        py::object replica = copies[j][i];
-        if (item.second.is_none()) {
-          replica.attr("_parameters")[key] = py::none();
-          continue;
-        }
-        py::object copy = py_params[j][param_index.at(item.second.ptr())];
-        py::setattr(replica, key, copy);
-        replica.attr("_former_parameters")[key] = copy;
-        if (!py::getattr(replica, key, py::none()).is(copy)) {
-          if (py::isinstance(copy, torch_nn.attr("Parameter"))) {
-            replica.attr("_parameters")[key] = copy;
-          } else {
-            replica.attr("__dict__")[key] = copy;
-          }
-          warn_once(cls, py::str(key), "parameter");
-        }
-      }
-    }
-    py::dict own_buffers = module.attr("_buffers");
-    for (auto item : own_buffers) {
-      const auto key = item.first;
-      for (const auto j : c10::irange(n)) {
-        py::object replica = copies[j][i];
-        if (item.second.is_none()) {
-          replica.attr("_buffers")[key] = py::none();
-          continue;
-        }
-        const auto where = buffer_index.at(item.second.ptr());
-        py::object copy = where.first ? py_rg[j][where.second] : py_plain[j][where.second];
-        py::dict replica_buffers = replica.attr("_buffers");
-        if (overrides_setattr(replica, module_setattr)) {
-          replica_buffers[key] = empty_like(copy);
-        }
-        py::setattr(replica, key, copy);
-        replica_buffers = replica.attr("_buffers");
-        if (!replica_buffers.contains(key) || !py::object(replica_buffers[key]).is(copy)) {
-          replica_buffers[key] = copy;
-          warn_once(cls, py::str(key), "buffer");
-        }
-      }
+    for (const auto j : c10::irange(n)) {
+      wire_plain(e, j, copies, dicts, i, net, tensors, detach && j == 0);
     }
   }
   return copies;
+}
+
+[[noreturn]] void misplaced_error(const std::string& api, size_t j, c10::Device expected,
+                                  const std::string& path, py::handle module,
+                                  const std::string& key, const char* kind, c10::Device found) {
+  const auto qualified = path.empty() ? key : path + "." + key;
+  TORCH_CHECK(false, api, ": replica ", j, " must live on ", expected, ", but its ", kind, " '",
+              qualified, "' (module ", path.empty() ? "<root>" : path, ", class ",
+              std::string(py::str(py::type::of(module).attr("__qualname__"))), ") is on ", found,
+              ". Register a post-replicate hook (torchdp.register_post_replicate_hook) that "
+              "puts it on the replica's device, e.g. `t.to(device)`");
+}
+
+// The qualified name of `module` inside `root` ("" for the root itself).
+std::string path_in(py::handle root, py::handle module) {
+  for (auto item : root.attr("named_modules")()) {
+    auto pair = item.cast<py::tuple>();
+    if (py::object(pair[1]).is(module)) {
+      return pair[0].cast<std::string>();
+    }
+  }
+  return "?";
+}
+
+// The device of `value` when it is a tensor that is not on `expected`.
+std::optional<c10::Device> misplaced(PyObject* value, c10::Device expected) {
+  if (value == nullptr || value == Py_None || !THPVariable_Check(value)) {
+    return std::nullopt;
+  }
+  const auto device = THPVariable_Unpack(value).device();
+  if (detail::canonical(device) == expected) {
+    return std::nullopt;
+  }
+  return device;
 }
 
 void check_replica_devices(const std::vector<py::list>& copies,
@@ -241,43 +649,67 @@ void check_replica_devices(const std::vector<py::list>& copies,
     return;
   }
   const auto devices = normalize_devices(devices_in, api.c_str());
+  const auto& r = refs();
+  TypeTable types;
   for (const auto j : c10::irange(copies.size())) {
     const auto expected = devices[j];
     if (copies[j].empty()) {
       continue;
     }
-    for (auto item : copies[j][0].attr("named_modules")()) {
-      auto pair = item.cast<py::tuple>();
-      const auto path = pair[0].cast<std::string>();
-      py::object m = pair[1];
-      auto check = [&](const std::string& key, py::handle value, const char* kind) {
-        if (value.is_none() || !THPVariable_Check(value.ptr())) {
-          return;
-        }
-        const auto t = py::cast<at::Tensor>(value);
-        if (detail::canonical(t.device()) == expected) {
-          return;
-        }
-        const auto qualified = path.empty() ? key : path + "." + key;
-        TORCH_CHECK(false, api, ": replica ", j, " must live on ", expected, ", but its ", kind,
-                    " '", qualified, "' (module ", path.empty() ? "<root>" : path, ", class ",
-                    std::string(py::str(py::type::of(m).attr("__qualname__"))), ") is on ",
-                    t.device(),
-                    ". Register a post-replicate hook (torchdp.register_post_replicate_hook) that "
-                    "puts it on the replica's device, e.g. `t.to(device)`");
+    py::handle root = copies[j][0];
+    // The replica's modules as it is now (hooks may have added some), walked from its root.
+    const Network net = walk_network(root, types);
+    for (const auto& e : net.modules) {
+      auto fail = [&](py::handle key, const char* kind, c10::Device found) {
+        misplaced_error(api, j, expected, path_in(root, e.module), e.module, py::str(key), kind,
+                        found);
       };
-      py::dict former = m.attr("__dict__").attr("get")("_former_parameters", py::dict());
-      for (auto p : former) {
-        const auto key = py::str(p.first).cast<std::string>();
-        check(key, py::getattr(m, p.first, py::none()), "parameter");
+      // Parameter copies live in the instance __dict__ under the keys of _former_parameters.
+      py::object former = py::reinterpret_borrow<py::object>(
+          PyDict_Check(e.dict.ptr()) ? PyDict_GetItemWithError(e.dict.ptr(), r.key_former)
+                                     : nullptr);
+      if (PyErr_Occurred()) {
+        throw py::error_already_set();
       }
-      py::dict own_params = m.attr("_parameters");
-      for (auto p : own_params) {
-        check(py::str(p.first), p.second, "parameter");
+      if (former && PyDict_Check(former.ptr())) {
+        PyObject *key = nullptr, *value = nullptr;
+        Py_ssize_t pos = 0;
+        while (PyDict_Next(former.ptr(), &pos, &key, &value)) {
+          PyObject* held = PyDict_GetItemWithError(e.dict.ptr(), key);
+          py::object current;
+          if (held != nullptr) {
+            current = py::reinterpret_borrow<py::object>(held);
+          } else {
+            if (PyErr_Occurred()) {
+              throw py::error_already_set();
+            }
+            current = py::getattr(e.module, key, py::none());
+          }
+          if (auto found = misplaced(current.ptr(), expected)) {
+            fail(key, "parameter", *found);
+          }
+        }
       }
-      py::dict own_buffers = m.attr("_buffers");
-      for (auto b : own_buffers) {
-        check(py::str(b.first), b.second, "buffer");
+      for (auto [member, kind] : {std::make_pair(&ModuleEntry::params, "parameter"),
+                                  std::make_pair(&ModuleEntry::buffers, "buffer")}) {
+        py::object dict = e.*member;
+        if (!dict) { // not an exact dict: iterate whatever the module keeps there
+          dict = e.module.attr(member == &ModuleEntry::params ? "_parameters" : "_buffers");
+          for (auto item : py::list(dict.attr("items")())) {
+            auto pair = item.cast<py::tuple>();
+            if (auto found = misplaced(pair[1].ptr(), expected)) {
+              fail(pair[0], kind, *found);
+            }
+          }
+          continue;
+        }
+        PyObject *key = nullptr, *value = nullptr;
+        Py_ssize_t pos = 0;
+        while (PyDict_Next(dict.ptr(), &pos, &key, &value)) {
+          if (auto found = misplaced(value, expected)) {
+            fail(key, kind, *found);
+          }
+        }
       }
     }
   }
@@ -288,22 +720,27 @@ void check_replica_devices(const std::vector<py::list>& copies,
 void init_replicate(py::module_& m) {
   // wrap_pybind_function: c10 errors become the matching Python exceptions (RuntimeError,
   // ValueError, ...) and TORCH_WARN becomes a Python warning, as in torch's own bindings.
-  m.def("replicate", torch::wrap_pybind_function(replicate), py::arg("network"), py::arg("devices"), py::arg("detach") = false,
+  m.def("replicate", torch::wrap_pybind_function(replicate), py::arg("network"), py::arg("devices"),
+        py::arg("detach") = false,
         R"doc(Replicates a Python nn.Module onto `devices` (see csrc/python/API.md).
 
 Returns one list per device with the replica of every module of list(network.modules()), in that
 order; element [j][0] is the root replica on devices[j]. Parameters are broadcast differentiably unless
 `detach`, buffers that require grad likewise, other buffers detached; the replica on devices[0] shares
-storage with the original. Custom __setattr__ overrides that swallow the assignment are repaired
-(with a one-time UserWarning per class and attribute). The original's tensors are never written.)doc");
+storage with the original. Modules of classes that keep nn.Module's behaviour are built with direct
+dictionary operations (the same result as PyTorch's Python code, much faster); the others with
+_replicate_for_data_parallel() and setattr. Custom __setattr__ overrides that swallow the assignment
+are repaired (with a one-time UserWarning per class and attribute). The original's tensors are never
+written. Raises RuntimeError for a ScriptModule with Python modules below it.)doc");
   m.def(
       "check_replica_devices",
       torch::wrap_pybind_function(
           [](const std::vector<py::list>& copies, const std::vector<c10::Device>& devices,
              const std::string& api) { check_replica_devices(copies, devices, api); }),
       py::arg("copies"), py::arg("devices"), py::arg("api") = std::string(kApi),
-      R"doc(Raises RuntimeError when a registered parameter or buffer of copies[j] is not on devices[j],
-naming its qualified name, its device and the expected device.)doc");
+      R"doc(Raises RuntimeError when a registered parameter or buffer of the replica rooted at copies[j][0]
+(walked from that root, so modules added by hooks count) is not on devices[j], naming its qualified
+name, its device and the expected device.)doc");
 }
 
 } // namespace torchdp::python

@@ -3,7 +3,6 @@ __setattr__ repair (the cplxmodule case), and the __data_parallel_replicate__ pr
 
 from __future__ import annotations
 
-import importlib
 import itertools
 import warnings
 
@@ -107,21 +106,20 @@ def test_empty_device_list_gives_no_replicas():
     assert torchdp.replicate(nn.Linear(2, 2), []) == []
 
 
-def test_script_module_with_python_children_is_rejected(monkeypatch):
-    # A ScriptModule with plain Python descendants is hard to build in current PyTorch (it
-    # scripts its children); stand one in for the rule.
-    class PretendScript(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.child = nn.Linear(2, 2)
+def test_script_module_with_python_children_is_rejected():
+    # Current PyTorch scripts the children of a ScriptModule and refuses Python ones; build such
+    # a module by hand to exercise the rule (torch.nn.parallel.replicate's _replicatable_module).
+    class HandBuiltScript(torch.jit.ScriptModule):
+        pass
 
-    module = importlib.import_module("torchdp.replicate")
-    monkeypatch.setattr(module, "_is_script_module", lambda m: isinstance(m, PretendScript))
+    odd = HandBuiltScript.__new__(HandBuiltScript)
+    nn.Module.__init__(odd)
+    odd._modules["child"] = nn.Linear(2, 2)
     with pytest.raises(
         RuntimeError,
         match="Cannot replicate network where python modules are children of ScriptModule",
     ):
-        torchdp.replicate(nn.Sequential(PretendScript()), cpu_devices(2))
+        torchdp.replicate(nn.Sequential(odd), cpu_devices(2))
 
 
 def test_script_modules_replicate():
@@ -129,6 +127,10 @@ def test_script_modules_replicate():
     x = torch.randn(4, 3)
     for r in torchdp.replicate(scripted, cpu_devices(2)):
         torch.testing.assert_close(r(x), scripted(x))
+    # A scripted submodule inside a Python network (the dictionary walks fall back to Python).
+    net = nn.Sequential(nn.Linear(3, 3), scripted)
+    for r in torchdp.replicate(net, cpu_devices(2)):
+        torch.testing.assert_close(r(x), net(x))
 
 
 def test_replicate_on_cpu_and_meta():
@@ -286,3 +288,137 @@ def test_check_replica_devices_reports_a_misplaced_tensor():
     copies[1][0]._buffers["running_mean"] = torch.zeros(3, device="meta")
     with pytest.raises(RuntimeError, match="running_mean"):
         torchdp._C.check_replica_devices(copies, cpu_devices(2), "torchdp.test")
+
+
+# --- The dictionary fast path (Note [Two ways to build a replica] in replicate_py.cpp) -----------
+# While a global registration hook is installed, every module is built the PyTorch way
+# (_replicate_for_data_parallel + setattr); the fast path must give the same replicas.
+
+
+class _Attributes(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = 2.5
+        self.name = "attrs"
+        self.lin = nn.Linear(3, 3)
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+        self.register_buffer("cache", torch.ones(3), persistent=False)
+        self.register_buffer("nothing", None)
+        self.register_parameter("absent", None)
+        self.extra = nn.Parameter(torch.randn(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.scale + self.extra + self.cache
+
+
+class _Shared(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(3, 3)
+        self.b = self.a  # the same module under two names
+        self.c = nn.Linear(3, 3)
+        self.c.weight = self.a.weight  # a parameter shared by two modules
+        self.gap = None
+        self.d = _Attributes()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.d(self.c(self.b(self.a(x))))
+
+
+def _fingerprint(root: nn.Module) -> list:
+    """Everything observable about a replica tree: per module (named_modules order, duplicates
+    kept), its type and __dict__ (keys in order; tensors by device, shape, value, grad_fn kind
+    and identity class; modules and other containers by identity class)."""
+    ids: dict[int, int] = {}
+
+    def ident(obj: object) -> int:
+        return ids.setdefault(id(obj), len(ids))
+
+    def describe(value: object) -> object:
+        if isinstance(value, torch.Tensor):
+            return (
+                "tensor",
+                type(value).__name__,
+                ident(value),
+                str(value.device),
+                tuple(value.shape),
+                value.requires_grad,
+                type(value.grad_fn).__name__ if value.grad_fn is not None else None,
+                value.detach().tolist() if value.device.type != "meta" else None,
+            )
+        if isinstance(value, nn.Module):
+            return ("module", type(value).__name__, ident(value))
+        if isinstance(value, dict):
+            return (type(value).__name__, [(k, describe(v)) for k, v in value.items()])
+        return ("object", type(value).__name__, repr(value) if value is None else ident(value))
+
+    out = []
+    for name, m in root.named_modules(remove_duplicate=False):
+        out.append((name, type(m).__name__, ident(m), describe(m.__dict__)))
+    return out
+
+
+@pytest.fixture
+def slow_path():
+    calls: list[str] = []
+    handle = torch.nn.modules.module.register_module_buffer_registration_hook(
+        lambda module, name, buffer: calls.append(name)
+    )
+    try:
+        yield calls
+    finally:
+        handle.remove()
+
+
+@pytest.mark.parametrize("detach", [False, True])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.BatchNorm1d(4)),
+        _Shared,
+        lambda: nn.TransformerEncoder(nn.TransformerEncoderLayer(8, 2, 16), 2),
+        lambda: nn.Sequential(nn.Linear(3, 3), nn.LSTM(3, 3)),  # RNNs take the PyTorch way
+    ],
+    ids=["sequential", "shared", "transformer", "with-lstm"],
+)
+def test_fast_replicas_equal_pytorch_built_replicas(make, detach, request):
+    torch.manual_seed(0)
+    net = make()
+    devices = [CPU, CPU, META]
+    fast = torchdp.replicate(net, devices, detach=detach)
+    calls = request.getfixturevalue("slow_path")
+    slow = torchdp.replicate(net, devices, detach=detach)
+    assert calls or not list(net.buffers())  # setattr ran: the PyTorch way was taken
+    for f, s in zip(fast, slow, strict=True):
+        assert _fingerprint(f) == _fingerprint(s)
+        assert _fingerprint(f) != _fingerprint(net)
+
+
+def test_fast_replicas_share_nothing_mutable_with_the_original():
+    net = _Shared()
+    r0, r1 = torchdp.replicate(net, cpu_devices(2))
+    for original, replica in zip(net.modules(), r1.modules(), strict=True):
+        assert replica is not original and type(replica) is type(original)
+        assert replica.__dict__ is not original.__dict__
+        for key in ("_parameters", "_buffers", "_modules"):
+            assert getattr(replica, key) is not getattr(original, key)
+        # Hook dictionaries are shared, as with _replicate_for_data_parallel.
+        assert replica._forward_hooks is original._forward_hooks
+    r1.d.scale = 7.0
+    r1.d._buffers["steps"] = torch.ones((), dtype=torch.long)
+    assert net.d.scale == 2.5 and net.d.steps.item() == 0
+    assert r1.b is r1.a and r1.c.weight is r1.a.weight and r1.gap is None
+    x = torch.randn(2, 3)
+    torch.testing.assert_close(r0(x), net(x))
+
+
+def test_replicas_follow_changes_between_calls():
+    # Nothing is cached between calls: attributes, flags and structure changes show up at once.
+    net = _Shared()
+    assert torchdp.replicate(net, cpu_devices(2))[1].d.scale == 2.5
+    net.d.scale = 4.0
+    net.eval()
+    net.new = nn.Linear(3, 3)
+    r = torchdp.replicate(net, cpu_devices(2))[1]
+    assert r.d.scale == 4.0 and not r.training and not r.d.lin.training
+    assert isinstance(r.new, nn.Linear) and r.new is not net.new
