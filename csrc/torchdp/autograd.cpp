@@ -4,11 +4,16 @@
 #include <ATen/Functions.h>
 #include <ATen/WrapDimUtils.h>
 #include <c10/core/GradMode.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 #include <c10/util/irange.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <cstdlib>
+#include <map>
+#include <mutex>
 #include <type_traits>
 #include <utility>
 
@@ -74,13 +79,130 @@ at::Tensor grad_or_zeros(const Node& node, const variable_list& grads, size_t i)
   return grads[i].defined() ? grads[i] : node.input_metadata(i).zeros_like();
 }
 
+// Note [Gradient buckets and reduction streams]
+// A differentiable broadcast gives its outputs not one BroadcastBackward node but one per gradient
+// bucket: consecutive tensors taken from the *end* of the list (parameters are registered in
+// forward order, so the last ones get their gradients first in backward), about
+// gradient_bucket_size() bytes each, the first bucket smaller so that reduction starts early. The
+// autograd engine runs a bucket's node as soon as every replica's gradient of that bucket exists,
+// so the reduce-add of early buckets overlaps the rest of the backward pass instead of waiting
+// for the whole of it.
+//
+// Every bucket's sums go to one BroadcastJoin node, which passes them to the original tensors'
+// gradient edges and fills with zeros what no bucket delivered (a bucket none of whose copies was
+// used in the forward never runs), so unused tensors get zero gradients exactly as with a single
+// reduction.
+//
+// On CUDA devices the reduction runs on a side stream per device (one pool stream each, kept for
+// the process). The node's input slots of device j are registered while that side stream is
+// current, so the engine makes the side stream wait for each gradient right where it was produced
+// (an event on the producing stream), not later. Inside the node: the incoming gradients are
+// recorded on the side streams (the caching allocator must not recycle them while the side stream
+// still reads them), the reduction runs with the side streams current, and the sums are recorded
+// on the streams the forward ran on, where the gradients are consumed (the engine makes those wait
+// for the side stream of the source device, the node's stream). CPU and meta devices use their
+// only stream: the buckets still split the work, in order.
+
+size_t gradient_bucket_size() {
+  // TORCHDP_GRAD_BUCKET_MB: the bucket size in MiB (default 25, as DistributedDataParallel);
+  // 0 puts every tensor in one bucket, reduced after the whole backward pass, on the current streams.
+  const char* env = std::getenv("TORCHDP_GRAD_BUCKET_MB");
+  if (env == nullptr || *env == '\0') {
+    return kDefaultGradBucketSize;
+  }
+  char* end = nullptr;
+  const double mib = std::strtod(env, &end);
+  TORCH_CHECK(end != env && *end == '\0' && mib >= 0, "torchdp: TORCHDP_GRAD_BUCKET_MB must be a ",
+              "non-negative number of MiB (0: one bucket, no overlap), got '", env, "'");
+  return static_cast<size_t>(mib * 1024 * 1024);
+}
+
+// The reduction stream of a CUDA device (null for other devices, and when overlap is off).
+std::optional<c10::Stream> reduction_stream(c10::Device device) {
+  if (!device.is_cuda()) {
+    return std::nullopt;
+  }
+  static std::mutex mutex;
+  static std::map<c10::DeviceIndex, c10::Stream> streams;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = streams.find(device.index());
+  if (it == streams.end()) {
+    c10::impl::VirtualGuardImpl impl(device.type());
+    it = streams.emplace(device.index(), impl.getStreamFromGlobalPool(device, false)).first;
+  }
+  return it->second;
+}
+
+void record_on(const at::Tensor& t, const c10::Stream& stream) {
+  if (t.defined() && t.device().is_cuda() && t.has_storage() && t.storage().data_ptr().get()) {
+    c10::impl::VirtualGuardImpl(t.device().type())
+        .recordDataPtrOnStream(t.storage().data_ptr(), stream);
+  }
+}
+
+// Bucket boundaries over tensor indices, from the end of the list (each bucket's indices ascend).
+std::vector<std::vector<size_t>> gradient_buckets(at::TensorList tensors, size_t bucket_size) {
+  std::vector<std::vector<size_t>> buckets;
+  if (bucket_size == 0) {
+    buckets.emplace_back();
+    for (const auto k : c10::irange(tensors.size())) {
+      buckets.back().push_back(k);
+    }
+    return buckets;
+  }
+  constexpr size_t kFirstBucket = 1024 * 1024; // as DistributedDataParallel: start early
+  size_t limit = std::min(kFirstBucket, bucket_size);
+  size_t bytes = 0;
+  std::vector<size_t> current;
+  for (size_t k = tensors.size(); k-- > 0;) {
+    const size_t size = static_cast<size_t>(tensors[k].numel()) * tensors[k].element_size();
+    if (!current.empty() && bytes + size > limit) {
+      buckets.emplace_back(current.rbegin(), current.rend());
+      current.clear();
+      bytes = 0;
+      limit = bucket_size;
+    }
+    current.push_back(k);
+    bytes += size;
+  }
+  if (!current.empty()) {
+    buckets.emplace_back(current.rbegin(), current.rend());
+  }
+  return buckets;
+}
+
+// Where the buckets' sums meet: one slot per broadcast tensor, one edge to each tensor's own
+// gradient edge. A bucket whose copies took no part in the forward never runs, so its slots stay
+// empty and get zeros here, as a single reduction would give them (a parameter that needs a
+// gradient gets zeros when unused, as with torch.nn.DataParallel's Broadcast).
+struct BroadcastJoin : Node {
+  std::string name() const override {
+    return "torchdp::BroadcastBackwardJoin";
+  }
+
+  variable_list apply(variable_list&& grads) override {
+    variable_list result(grads.size());
+    for (const auto k : c10::irange(grads.size())) {
+      if (should_compute_output(k)) {
+        result[k] = grad_or_zeros(*this, grads, k);
+      }
+    }
+    return result;
+  }
+};
+
+// The reduce-add of one gradient bucket: slots j * num_inputs + k for tensor k of the bucket on
+// device j, outputs to the bucket's slots of the BroadcastJoin.
 struct BroadcastBackward : Node {
   BroadcastBackward(c10::Device source, std::vector<c10::Device> devices, size_t num_inputs,
-                    size_t buffer_size)
+                    size_t buffer_size, std::vector<std::optional<c10::Stream>> side_streams,
+                    std::vector<std::optional<c10::Stream>> forward_streams)
       : source_(source),
         devices_(std::move(devices)),
         num_inputs_(num_inputs),
-        buffer_size_(buffer_size) {}
+        buffer_size_(buffer_size),
+        side_streams_(std::move(side_streams)),
+        forward_streams_(std::move(forward_streams)) {}
 
   std::string name() const override {
     return "torchdp::BroadcastBackward";
@@ -100,15 +222,29 @@ struct BroadcastBackward : Node {
     if (wanted.empty()) {
       return result;
     }
+    // Every device's reduction stream current (Note [Gradient buckets and reduction streams]).
+    std::vector<c10::Stream> side;
+    for (const auto& stream : side_streams_) {
+      if (stream) {
+        side.push_back(*stream);
+      }
+    }
+    c10::MultiStreamGuard on_side_streams(side);
     std::vector<std::vector<at::Tensor>> per_device(n);
     for (const auto j : c10::irange(n)) {
       per_device[j].reserve(wanted.size());
       for (auto k : wanted) {
         per_device[j].push_back(grad_or_zeros(*this, grads, j * num_inputs_ + k));
+        if (side_streams_[j]) {
+          record_on(per_device[j].back(), *side_streams_[j]);
+        }
       }
     }
     auto sums = reduce_add_coalesced(per_device, source_, buffer_size_);
     for (const auto i : c10::irange(wanted.size())) {
+      if (forward_streams_[0]) {
+        record_on(sums[i], *forward_streams_[0]);
+      }
       result[wanted[i]] = std::move(sums[i]);
     }
     return result;
@@ -118,6 +254,8 @@ struct BroadcastBackward : Node {
   std::vector<c10::Device> devices_;
   size_t num_inputs_;
   size_t buffer_size_;
+  std::vector<std::optional<c10::Stream>> side_streams_;    // per device; empty: current stream
+  std::vector<std::optional<c10::Stream>> forward_streams_; // per device, when side_streams_ is set
 };
 
 struct ReduceAddBackward : Node {
@@ -240,12 +378,39 @@ std::vector<std::vector<at::Tensor>> broadcast_coalesced(at::TensorList tensors,
   if (!any_requires_grad(tensors)) {
     return outputs;
   }
-  auto node = make_node<BroadcastBackward>(detail::canonical(tensors[0].device()), devices,
-                                           tensors.size(), buffer_size);
-  node->set_next_edges(edges_of(tensors));
-  for (auto& per_device : outputs) {
-    for (const auto k : c10::irange(tensors.size())) {
-      attach(node, per_device[k], tensors[k].requires_grad());
+  // One node per gradient bucket (Note [Gradient buckets and reduction streams]).
+  const size_t bucket_size = gradient_bucket_size();
+  std::vector<std::optional<c10::Stream>> side(devices.size()), forward(devices.size());
+  if (bucket_size > 0) {
+    for (const auto j : c10::irange(devices.size())) {
+      side[j] = reduction_stream(devices[j]);
+      if (side[j]) {
+        c10::impl::VirtualGuardImpl impl(devices[j].type());
+        forward[j] = impl.getStream(devices[j]);
+      }
+    }
+  }
+  const auto source = detail::canonical(tensors[0].device());
+  auto join = make_node<BroadcastJoin>();
+  join->set_next_edges(edges_of(tensors));
+  for (const auto& t : tensors) {
+    join->add_input_metadata(t); // on the forward's current stream, where gradients are consumed
+  }
+  for (const auto& bucket : gradient_buckets(tensors, bucket_size)) {
+    auto node = make_node<BroadcastBackward>(source, devices, bucket.size(), buffer_size, side,
+                                             forward);
+    torch::autograd::edge_list to_join;
+    to_join.reserve(bucket.size());
+    for (auto k : bucket) {
+      to_join.push_back(tensors[k].requires_grad() ? Edge(join, static_cast<uint32_t>(k)) : Edge());
+    }
+    node->set_next_edges(std::move(to_join));
+    for (const auto j : c10::irange(devices.size())) {
+      // Slots of device j belong to its reduction stream: the engine syncs the gradients to it.
+      c10::OptionalStreamGuard on_side_stream(side[j]);
+      for (auto k : bucket) {
+        attach(node, outputs[j][k], tensors[k].requires_grad());
+      }
     }
   }
   return outputs;

@@ -23,8 +23,16 @@
 /// only when grad mode is on and their input requires grad.
 namespace torchdp::autograd {
 
+/// Default size of the gradient buckets of broadcast_coalesced's backward (25 MiB, as
+/// DistributedDataParallel); the environment variable TORCHDP_GRAD_BUCKET_MB overrides it (0: one
+/// bucket, reduced after the whole backward pass).
+constexpr size_t kDefaultGradBucketSize = 25 * 1024 * 1024;
+
 /// Differentiable comm::broadcast_coalesced. Outputs for devices[0] share storage and version
-/// counter with the inputs, but are distinct tensors that carry the broadcast's history.
+/// counter with the inputs, but are distinct tensors that carry the broadcast's history. The
+/// backward reduce-adds the gradients of all devices in buckets taken from the end of `tensors`,
+/// each as soon as its gradients exist (overlapping the rest of the backward pass), on a side
+/// stream per CUDA device.
 std::vector<std::vector<at::Tensor>> broadcast_coalesced(
     at::TensorList tensors, const std::vector<c10::Device>& devices,
     size_t buffer_size = comm::kDefaultBufferSize);

@@ -503,3 +503,69 @@ TEST_CASE("autograd layer errors name the API", "[cpu][autograd]") {
   TORCHDP_CHECK_THROWS_WITH(torchdp::autograd::scatter(torch::tensor(1.F), cpu_devices(2)),
                             "torchdp::comm::scatter", "0-dim");
 }
+
+// ---------------------------------------------------------------------------------------------
+// Gradient buckets (autograd.cpp, Note [Gradient buckets and reduction streams])
+
+namespace {
+
+// Sets TORCHDP_GRAD_BUCKET_MB for the scope of a test.
+struct BucketSizeEnv {
+  explicit BucketSizeEnv(const char* mib) {
+    setenv("TORCHDP_GRAD_BUCKET_MB", mib, 1);
+  }
+  ~BucketSizeEnv() {
+    unsetenv("TORCHDP_GRAD_BUCKET_MB");
+  }
+};
+
+} // namespace
+
+TEST_CASE("autograd::broadcast_coalesced reduces in buckets with the same sums",
+          "[cpu][autograd]") {
+  const char* mib = GENERATE("0", "0.000001", "0.0001", "25");
+  BucketSizeEnv env(mib);
+  std::vector<torch::Tensor> leaves;
+  for (int64_t i = 0; i < 6; ++i) {
+    leaves.push_back(leaf({i + 2, 3}));
+  }
+  leaves.push_back(leaf({4})); // unused on every device: zeros, even in a bucket of its own
+  const auto out = torchdp::autograd::broadcast_coalesced(leaves, cpu_devices(3));
+  auto loss = torch::zeros({});
+  for (size_t j = 0; j < 3; ++j) {
+    for (size_t k = 0; k + 1 < leaves.size(); ++k) {
+      loss = loss + out[j][k].pow(2).sum() * static_cast<double>(j + 1);
+    }
+  }
+  loss.backward();
+  for (size_t k = 0; k + 1 < leaves.size(); ++k) {
+    INFO("tensor " << k << ", bucket size " << mib << " MiB");
+    CHECK(torch::allclose(leaves[k].grad(), 2 * leaves[k].detach() * 6.0));
+  }
+  REQUIRE(leaves.back().grad().defined());
+  CHECK(torch::equal(leaves.back().grad(), torch::zeros({4})));
+}
+
+TEST_CASE("autograd::broadcast_coalesced cuts buckets from the end of the list",
+          "[cpu][autograd]") {
+  BucketSizeEnv env("0.0001"); // 104 bytes: 26 floats
+  const auto a = leaf({10});
+  const auto b = leaf({20});
+  const auto c = leaf({5});
+  const auto d = leaf({5});
+  const auto out = torchdp::autograd::broadcast_coalesced({a, b, c, d}, cpu_devices(2));
+  // c and d (40 bytes) share the first bucket, b and a get one each.
+  CHECK(out[0][2].grad_fn() == out[0][3].grad_fn());
+  CHECK(out[1][2].grad_fn() == out[0][3].grad_fn());
+  CHECK(out[0][1].grad_fn() != out[0][2].grad_fn());
+  CHECK(out[0][0].grad_fn() != out[0][1].grad_fn());
+  CHECK(out[0][0].grad_fn()->next_edges().size() == 1);
+  CHECK(out[0][2].grad_fn()->next_edges().size() == 2);
+}
+
+TEST_CASE("autograd::broadcast_coalesced rejects a bad TORCHDP_GRAD_BUCKET_MB", "[cpu][autograd]") {
+  BucketSizeEnv env("-3");
+  const auto x = leaf({2});
+  TORCHDP_CHECK_THROWS_WITH(torchdp::autograd::broadcast_coalesced({x}, cpu_devices(2)),
+                            "TORCHDP_GRAD_BUCKET_MB must be a non-negative", "'-3'");
+}

@@ -1,0 +1,148 @@
+"""Gradient buckets of the differentiable broadcast (csrc/torchdp/autograd.cpp, Note [Gradient
+buckets and reduction streams]): one backward node per bucket, taken from the end of the
+parameter list, so that each bucket's reduce-add starts as soon as its gradients exist; the
+results equal the single-bucket reduction and the plain module's gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dp_testing import clone_module, cpu_devices
+from torch import nn
+
+import torchdp
+
+ENV = "TORCHDP_GRAD_BUCKET_MB"
+
+
+def _mlp(layers: int = 6, width: int = 32) -> nn.Sequential:
+    torch.manual_seed(0)
+    mods: list[nn.Module] = []
+    for _ in range(layers):
+        mods += [nn.Linear(width, width), nn.Tanh()]
+    return nn.Sequential(*mods)
+
+
+def _bucket_sizes(replica: nn.Module) -> list[int]:
+    """Tensors per backward node, in parameter order (one entry per distinct node)."""
+    sizes: list[int] = []
+    seen: list[object] = []
+    for m in replica.modules():
+        for key in m._former_parameters:
+            node = getattr(m, key).grad_fn
+            assert node is not None and node.name() == "torchdp::BroadcastBackward"
+            if not any(node is s for s in seen):
+                seen.append(node)
+                # Slots: one per tensor of the bucket and device.
+                sizes.append(len(node.next_functions))
+    return sizes
+
+
+@pytest.mark.parametrize(
+    "mib, expected",
+    [
+        ("0", [12]),  # one bucket for everything
+        ("0.000001", [1] * 12),  # every tensor alone
+        # Weights of 4096 bytes, biases of 128; 0.01 MiB = 10485 bytes. From the end: b5 w5 b4 w4
+        # b3 (8576 bytes), then w3 b2 w2 b1 (8448), then w1 b0 w0; listed in parameter order.
+        ("0.01", [3, 4, 5]),
+    ],
+)
+def test_buckets_are_cut_from_the_end(monkeypatch, mib, expected):
+    monkeypatch.setenv(ENV, mib)
+    net = _mlp()
+    r0, _ = torchdp.replicate(net, cpu_devices(2))
+    assert _bucket_sizes(r0) == expected
+
+
+def test_default_buckets_hold_small_models_in_one_node(monkeypatch):
+    monkeypatch.delenv(ENV, raising=False)
+    r0, _ = torchdp.replicate(_mlp(), cpu_devices(2))
+    assert _bucket_sizes(r0) == [12]  # 6 x 4224 bytes < 1 MiB, the first bucket's cap
+
+
+def test_first_bucket_is_small(monkeypatch):
+    monkeypatch.delenv(ENV, raising=False)
+    # 256 KiB weights and 1 KiB biases: the 1 MiB first bucket takes the last three layers and the
+    # bias before them (7 tensors), the 25 MiB second bucket the rest.
+    net = _mlp(layers=6, width=256)
+    r0, _ = torchdp.replicate(net, cpu_devices(2))
+    assert _bucket_sizes(r0) == [5, 7]
+
+
+@pytest.mark.parametrize("mib", ["0", "0.000001", "0.01", "25"])
+@pytest.mark.parametrize("n", [2, 3])
+def test_bucketed_gradients_equal_the_module(monkeypatch, mib, n):
+    monkeypatch.setenv(ENV, mib)
+    net = _mlp()
+    ref = clone_module(net)
+    dp = torchdp.DataParallel(net, devices=cpu_devices(n))
+    x = torch.randn(7, 32)
+    dp(x).pow(2).sum().backward()
+    ref(x).pow(2).sum().backward()
+    for (name, p), q in zip(net.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_bucketed_double_backward(monkeypatch):
+    monkeypatch.setenv(ENV, "0.000001")
+    net = _mlp(layers=3, width=8)
+    ref = clone_module(net)
+    dp = torchdp.DataParallel(net, devices=cpu_devices(2))
+
+    def penalty(module, x):
+        x = x.clone().requires_grad_()
+        out = module(x)
+        (g,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+        return g.pow(2).sum() + out.pow(2).mean()
+
+    x = torch.randn(6, 8)
+    penalty(ref, x).backward()
+    penalty(dp, x).backward()
+    for p, q in zip(net.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_unused_parameters_get_zero_gradients_in_every_bucket(monkeypatch):
+    monkeypatch.setenv(ENV, "0.000001")
+
+    class Partly(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.used = nn.Linear(4, 4)
+            self.unused = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.used(x)
+
+    net = Partly()
+    torchdp.DataParallel(net, devices=cpu_devices(2))(torch.randn(4, 4)).sum().backward()
+    assert net.used.weight.grad is not None and net.used.weight.grad.abs().sum() > 0
+    torch.testing.assert_close(net.unused.weight.grad, torch.zeros(4, 4))
+
+
+@pytest.mark.parametrize("bad", ["-1", "lots", "1e"])
+def test_bad_bucket_size_is_named(monkeypatch, bad):
+    monkeypatch.setenv(ENV, bad)
+    with pytest.raises(RuntimeError, match=f"TORCHDP_GRAD_BUCKET_MB must be a non-negative number"):
+        torchdp.replicate(_mlp(), cpu_devices(2))
+
+
+@pytest.mark.needs_cuda
+@pytest.mark.parametrize("mib", ["0", "0.001", "25"])
+def test_bucketed_reduction_on_cuda_side_streams(monkeypatch, mib):
+    # The same CUDA device twice: the reduction runs on its side stream while the backward of
+    # the replicas is still queued on the default stream.
+    monkeypatch.setenv(ENV, mib)
+    dev = torch.device("cuda", 0)
+    net = _mlp(layers=8, width=512).to(dev)
+    ref = clone_module(net)
+    dp = torchdp.DataParallel(net, devices=[dev, dev])
+    x = torch.randn(64, 512, device=dev)
+    for _ in range(3):  # several steps: recycled memory must not be overwritten early
+        net.zero_grad()
+        ref.zero_grad()
+        dp(x).pow(2).mean().backward()
+        ref(x).pow(2).mean().backward()
+        for p, q in zip(net.parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
