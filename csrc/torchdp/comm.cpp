@@ -59,6 +59,18 @@ std::vector<Bucket> make_buckets(const std::vector<at::Tensor>& tensors, size_t 
   return done;
 }
 
+// A contiguous tensor of `sizes` at element `offset` of `flat`'s storage, built directly (one
+// TensorImpl, no dispatcher call): the many small views of a bucket cost microseconds each through
+// narrow() + view() + variable_data(). It has its own version counter and no autograd history,
+// like variable_data().
+at::Tensor view_into(const at::Tensor& flat, int64_t offset, c10::IntArrayRef sizes) {
+  auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(flat.storage()), flat.key_set(),
+                                                   flat.dtype());
+  impl->set_sizes_contiguous(sizes);
+  impl->set_storage_offset(flat.storage_offset() + offset);
+  return at::Tensor(std::move(impl));
+}
+
 // One flat contiguous copy of the bucket's tensors. `fresh` tells whether the result owns new
 // storage (false when it is a view of the only input, which must then not be written).
 at::Tensor flatten(const std::vector<at::Tensor>& tensors, const Bucket& bucket, bool& fresh) {
@@ -67,22 +79,32 @@ at::Tensor flatten(const std::vector<at::Tensor>& tensors, const Bucket& bucket,
     fresh = !t.is_contiguous();
     return t.contiguous().view({-1});
   }
-  std::vector<at::Tensor> flat_parts;
-  flat_parts.reserve(bucket.indices.size());
+  const auto& first = tensors[bucket.indices[0]];
+  int64_t total = 0;
   for (auto i : bucket.indices) {
-    flat_parts.push_back(tensors[i].reshape({-1}));
+    total += tensors[i].numel();
   }
+  auto flat = at::empty({total}, first.options().memory_format(c10::MemoryFormat::Contiguous));
+  std::vector<at::Tensor> destinations, sources;
+  destinations.reserve(bucket.indices.size());
+  sources.reserve(bucket.indices.size());
+  int64_t offset = 0;
+  for (auto i : bucket.indices) {
+    destinations.push_back(view_into(flat, offset, tensors[i].sizes()));
+    sources.push_back(tensors[i]);
+    offset += tensors[i].numel();
+  }
+  at::_foreach_copy_(destinations, sources, /*non_blocking=*/false);
   fresh = true;
-  return at::cat(flat_parts, 0);
+  return flat;
 }
 
 void unflatten_into(const at::Tensor& flat, const std::vector<at::Tensor>& like,
                     const Bucket& bucket, std::vector<at::Tensor>& out) {
   int64_t offset = 0;
   for (auto i : bucket.indices) {
-    const auto n = like[i].numel();
-    out[i] = flat.narrow(0, offset, n).view(like[i].sizes()).variable_data();
-    offset += n;
+    out[i] = view_into(flat, offset, like[i].sizes());
+    offset += like[i].numel();
   }
 }
 
