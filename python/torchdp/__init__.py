@@ -3,8 +3,8 @@
 ``import torchdp`` gives the same API as ``torch.nn.parallel`` (``DataParallel``,
 ``data_parallel``, ``replicate``, ``scatter``, ``scatter_kwargs``, ``gather``,
 ``parallel_apply``), plus post-replicate hooks (``register_post_replicate_hook``), explicit CPU
-and meta device lists (``devices=``) and :func:`patch_torch` to swap torchdp in for PyTorch's
-names.
+and meta device lists (``devices=``), per-replica outputs and losses (``gather_output=False`` with
+``DataParallelCriterion``) and :func:`patch_torch` to swap torchdp in for PyTorch's names.
 
 Example::
 
@@ -19,6 +19,7 @@ import torch  # noqa: F401  isort: skip
 
 from torchdp import _C  # isort: skip
 
+from torchdp.criterion import DataParallelCriterion
 from torchdp.data_parallel import DataParallel, data_parallel
 from torchdp.hooks import (
     PostReplicateHookHandle,
@@ -45,6 +46,7 @@ def has_nccl() -> bool:
 
 __all__ = [
     "DataParallel",
+    "DataParallelCriterion",
     "PostReplicateHookHandle",
     "ReplicaContext",
     "TorchPatch",

@@ -162,6 +162,11 @@ class DataParallel(_TorchDataParallel[T]):
             ``devices[0]`` and :attr:`output_device` (default ``devices[0]``) may be the CPU.
         place_module (bool, keyword-only): move :attr:`module` to ``device_ids[0]`` at the first
             forward instead of raising when it is elsewhere. Default: ``False``.
+        gather_output (bool, keyword-only): ``False`` makes the forward return the list of the
+            replicas' outputs, each on its own device, instead of gathering them on
+            :attr:`output_device`; compute the loss per replica with
+            :class:`torchdp.DataParallelCriterion` so that the first device does not hold the whole
+            batch's outputs (memory balance). Default: ``True``.
 
     Attributes:
         module (Module): the module to be parallelized.
@@ -182,6 +187,7 @@ class DataParallel(_TorchDataParallel[T]):
         *,
         devices: Sequence[DeviceLike] | None = None,
         place_module: bool = False,
+        gather_output: bool = True,
     ) -> None:
         # Deliberately not torch.nn.DataParallel.__init__: the base class is only there for
         # isinstance checks.
@@ -189,6 +195,7 @@ class DataParallel(_TorchDataParallel[T]):
         torch._C._log_api_usage_once("torchdp.DataParallel")
         self._place_module = bool(place_module)
         self._placed = False
+        self.gather_output = bool(gather_output)
 
         if devices is not None:
             device_list, self.output_device = _resolve_explicit(
@@ -243,7 +250,8 @@ class DataParallel(_TorchDataParallel[T]):
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         with torch.autograd.profiler.record_function("DataParallel.forward"):
             if not self.device_ids:
-                return self.module(*inputs, **kwargs)
+                output = self.module(*inputs, **kwargs)
+                return output if self.gather_output else [output]
 
             self._check_or_place_module()
 
@@ -254,9 +262,12 @@ class DataParallel(_TorchDataParallel[T]):
                 module_kwargs = ({},)
 
             if len(self.device_ids) == 1:
-                return self.module(*inputs[0], **module_kwargs[0])
+                output = self.module(*inputs[0], **module_kwargs[0])
+                return output if self.gather_output else [output]
             replicas = self.replicate(self.module, self.device_ids[: len(inputs)])
             outputs = self.parallel_apply(replicas, inputs, module_kwargs)
+            if not self.gather_output:
+                return list(outputs)
             return self.gather(outputs, self.output_device)
 
     def replicate(self, module: T, device_ids: Sequence[int | torch.device]) -> list[T]:

@@ -254,3 +254,31 @@ def test_case3_masked_layer_torch_fails_torchdp_works():
     assert layer.mask is mask and layer.mask.device == torch.device("cuda", 0)
     replicas = torchdp.replicate(layer, [0, 1])
     assert replicas[1].mask.device == torch.device("cuda", 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-replica outputs and losses (gather_output=False + DataParallelCriterion).
+# ---------------------------------------------------------------------------------------------
+
+
+def test_per_replica_outputs_stay_on_their_gpus_and_the_loss_matches():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 5)).cuda(0)
+    ref = clone_module(net)
+    weight = torch.rand(5, device="cuda:0") + 0.5  # class weights: a buffer, replicated per GPU
+    dp = torchdp.DataParallel(net, device_ids=[0, 1], gather_output=False)
+    crit = torchdp.DataParallelCriterion(nn.CrossEntropyLoss(weight=weight, reduction="sum"))
+    x, y = torch.randn(10, 6), torch.randint(0, 5, (10,))
+    outs = dp(x)
+    assert [o.device for o in outs] == [torch.device("cuda", 0), torch.device("cuda", 1)]
+    loss = crit(outs, y)
+    assert loss.device == torch.device("cuda", 0)
+    expected = nn.CrossEntropyLoss(weight=weight, reduction="sum")(ref(x.cuda(0)), y.cuda(0))
+    torch.testing.assert_close(loss, expected)
+    loss.backward()
+    expected.backward()
+    for p, q in zip(net.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+    cpu_weight = torchdp.DataParallelCriterion(nn.CrossEntropyLoss(weight=weight.cpu()))
+    with pytest.raises(RuntimeError, match="criterion.to\\('cuda:0'\\)"):
+        cpu_weight(dp(x), y)

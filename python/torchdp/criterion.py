@@ -1,0 +1,189 @@
+"""``torchdp.DataParallelCriterion``: the loss computed on each replica's device, for memory
+balance.
+
+With ``torchdp.DataParallel(model, gather_output=False)`` the forward returns one output per
+replica, each on its own device, instead of concatenating them on ``output_device``. The
+criterion wrapper then splits the targets the way the inputs were split (``torch.chunk`` along
+``dim``), computes the loss of every replica on that replica's device, and combines the per-replica
+losses on one device: only scalars travel, so GPU 0 never holds the whole batch's outputs (for a
+language model with a large vocabulary, the logits are most of the memory).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchdp.replicate import replicate
+from torchdp.scatter_gather import DeviceLike, _to_device, gather, scatter_kwargs
+
+__all__ = ["DataParallelCriterion"]
+
+_API = "torchdp.DataParallelCriterion"
+_REDUCTIONS = ("mean", "sum", "none")
+
+
+def _first_tensor(obj: Any) -> torch.Tensor | None:
+    if isinstance(obj, torch.Tensor):
+        return obj
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    if isinstance(obj, (list, tuple)):
+        for item in obj:
+            found = _first_tensor(item)
+            if found is not None:
+                return found
+    return None
+
+
+class DataParallelCriterion(nn.Module):
+    r"""Computes a loss per replica, on the replica's device, from the per-replica outputs of
+    ``torchdp.DataParallel(..., gather_output=False)``, and combines the losses on one device.
+
+    The targets (positional and keyword arguments after ``outputs``) are split like the inputs
+    of :class:`torchdp.DataParallel` (``torch.chunk`` along :attr:`dim`, one chunk per output) and
+    each chunk is moved to its output's device. ``criterion(output_i, *targets_i, **kwargs_i)``
+    runs on every device; a criterion that is an ``nn.Module`` with parameters or buffers (class
+    weights, ...) is replicated there first. The per-replica losses are combined on
+    :attr:`output_device`:
+
+    * ``"mean"``: the average weighted by the number of samples of each chunk (the batch mean
+      when every sample weighs the same in the criterion; with ``ignore_index`` or class weights
+      the replicas' means are still weighted by samples, not by their total weight);
+    * ``"sum"``: the sum;
+    * ``"none"``: the per-sample losses concatenated along :attr:`dim`.
+
+    Args:
+        criterion (callable): the loss, e.g. ``nn.CrossEntropyLoss()``.
+        output_device (int, str or torch.device, optional): where the combined loss goes
+            (default: the device of the first output).
+        dim (int): the dimension the batch was split along (the ``dim`` of the DataParallel).
+            Default: ``0``.
+        reduction (str, keyword-only, optional): ``"mean"``, ``"sum"`` or ``"none"``; by default
+            the criterion's own ``reduction`` attribute, else ``"mean"``.
+
+    Example::
+
+        >>> model = torchdp.DataParallel(lm, gather_output=False)
+        >>> criterion = torchdp.DataParallelCriterion(nn.CrossEntropyLoss())
+        >>> loss = criterion(model(tokens), targets)   # logits never leave their GPU
+        >>> loss.backward()
+    """
+
+    def __init__(
+        self,
+        criterion: Callable[..., Any],
+        output_device: DeviceLike | None = None,
+        dim: int = 0,
+        *,
+        reduction: str | None = None,
+    ) -> None:
+        super().__init__()
+        if not callable(criterion):
+            raise TypeError(
+                f"{_API}: criterion must be callable (e.g. nn.CrossEntropyLoss()), got "
+                f"{type(criterion).__qualname__}"
+            )
+        if reduction is None:
+            reduction = getattr(criterion, "reduction", "mean")
+        if reduction not in _REDUCTIONS:
+            raise ValueError(
+                f"{_API}: reduction must be one of {', '.join(map(repr, _REDUCTIONS))}, got "
+                f"{reduction!r}"
+            )
+        self.criterion = criterion
+        self.output_device = None if output_device is None else _to_device(output_device, _API)
+        self.dim = dim
+        self.reduction = reduction
+
+    def _criteria(self, devices: list[torch.device]) -> list[Callable[..., Any]]:
+        """The criterion for each device: replicated when it holds tensors (class weights...)."""
+        crit = self.criterion
+        if not isinstance(crit, nn.Module):
+            return [crit] * len(devices)
+        held = [*crit.parameters(), *crit.buffers()]
+        if not held or all(d == devices[0] for d in devices):
+            return [crit] * len(devices)
+        misplaced = [t.device for t in held if t.device != devices[0]]
+        if misplaced:
+            raise RuntimeError(
+                f"{_API}: the criterion's parameters and buffers must be on the first output's "
+                f"device {devices[0]}, but one is on {misplaced[0]}; move it there first "
+                f"(criterion.to({str(devices[0])!r}))"
+            )
+        return list(replicate(crit, devices, not torch.is_grad_enabled()))
+
+    def forward(self, outputs: Sequence[Any], *targets: Any, **kwargs: Any) -> torch.Tensor:
+        if isinstance(outputs, torch.Tensor) or not isinstance(outputs, (list, tuple)):
+            raise TypeError(
+                f"{_API}: expected the list of per-replica outputs that "
+                "torchdp.DataParallel(..., gather_output=False) returns, got "
+                f"{type(outputs).__qualname__}; pass gather_output=False to the DataParallel, or "
+                "call the criterion itself on a gathered output"
+            )
+        if len(outputs) == 0:
+            raise ValueError(f"{_API}: got no outputs (an empty list)")
+        devices: list[torch.device] = []
+        for i, out in enumerate(outputs):
+            t = _first_tensor(out)
+            if t is None:
+                raise TypeError(
+                    f"{_API}: output {i} holds no tensor ({type(out).__qualname__}); each "
+                    "replica's output must contain a tensor on its device"
+                )
+            devices.append(t.device)
+        n = len(outputs)
+        if targets or kwargs:
+            split_targets, split_kwargs = scatter_kwargs(targets, kwargs, devices, self.dim)
+            if len(split_targets) != n:
+                sizes = [
+                    t.shape[self.dim] for t in targets if isinstance(t, torch.Tensor)
+                ][:1]
+                raise ValueError(
+                    f"{_API}: the targets split into {len(split_targets)} chunks along dim "
+                    f"{self.dim} (batch size {sizes[0] if sizes else '?'}), but there are {n} "
+                    "outputs; pass targets with the same batch size as the inputs"
+                )
+        else:
+            split_targets, split_kwargs = ((),) * n, ({},) * n
+        criteria = self._criteria(devices)
+        losses = []
+        for crit, out, tgt, kw, device in zip(
+            criteria, outputs, split_targets, split_kwargs, devices, strict=True
+        ):
+            with torch.autograd.profiler.record_function("DataParallelCriterion.replica"):
+                if device.type == "cuda":
+                    with torch.cuda.device(device):
+                        losses.append(crit(out, *tgt, **kw))
+                else:
+                    losses.append(crit(out, *tgt, **kw))
+        destination = self.output_device if self.output_device is not None else devices[0]
+        if self.reduction == "none":
+            return gather(losses, destination, dim=self.dim)
+        for i, loss in enumerate(losses):
+            if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+                shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss)
+                raise ValueError(
+                    f"{_API}: with reduction={self.reduction!r} the criterion must return a "
+                    f"scalar tensor per replica, but replica {i} gave {shape}; use "
+                    "reduction='none' for per-sample losses"
+                )
+        moved = torch.stack([loss.to(destination) for loss in losses])
+        if self.reduction == "sum":
+            return moved.sum()
+        counts = [_batch_size(tgt, out, self.dim) for tgt, out in zip(split_targets, outputs)]
+        total = float(sum(counts))
+        weights = torch.tensor([c / total for c in counts], dtype=moved.dtype, device=destination)
+        return (moved * weights).sum()
+
+
+def _batch_size(targets: tuple[Any, ...], output: Any, dim: int) -> int:
+    """The number of samples of one chunk: from its first target tensor, else its output."""
+    t = _first_tensor(targets) if targets else None
+    if t is None:
+        t = _first_tensor(output)
+    assert t is not None
+    return int(t.shape[dim]) if t.dim() > 0 else 1

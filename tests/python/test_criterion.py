@@ -1,0 +1,119 @@
+"""Per-replica outputs (``DataParallel(..., gather_output=False)``) and per-replica losses
+(``torchdp.DataParallelCriterion``): the same loss and gradients as the plain module with the
+criterion on the whole batch, with only scalars travelling between devices."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dp_testing import clone_module, cpu_devices
+from torch import nn
+
+import torchdp
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 5))
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_gather_output_false_returns_one_output_per_replica(n):
+    net = _net()
+    dp = torchdp.DataParallel(net, devices=cpu_devices(n), gather_output=False)
+    x = torch.randn(7, 6)
+    outs = dp(x)
+    assert isinstance(outs, list) and len(outs) == min(n, 7)
+    sizes = [t.shape[0] for t in x.chunk(n)]
+    assert [o.shape[0] for o in outs] == sizes
+    torch.testing.assert_close(torch.cat(outs), net(x))
+
+
+def test_gather_output_false_without_devices_is_a_one_element_list():
+    net = _net()
+    dp = torchdp.DataParallel(net, gather_output=False)
+    if dp.device_ids:  # an accelerator is visible: covered by the GPU tests
+        pytest.skip("passthrough only without an accelerator")
+    x = torch.randn(3, 6)
+    (out,) = dp(x)
+    torch.testing.assert_close(out, net(x))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("n", [2, 3])
+def test_criterion_matches_the_whole_batch_loss(reduction, n):
+    net = _net()
+    ref = clone_module(net)
+    dp = torchdp.DataParallel(net, devices=cpu_devices(n), gather_output=False)
+    crit = torchdp.DataParallelCriterion(nn.CrossEntropyLoss(reduction=reduction))
+    assert crit.reduction == reduction
+    x, y = torch.randn(7, 6), torch.randint(0, 5, (7,))  # uneven chunks: 3, 3, 1 on 3 devices
+    loss = crit(dp(x), y)
+    expected = nn.CrossEntropyLoss(reduction=reduction)(ref(x), y)
+    torch.testing.assert_close(loss, expected)
+    loss.sum().backward()
+    expected.sum().backward()
+    for (name, p), q in zip(net.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_criterion_with_keyword_targets_dim1_and_a_function():
+    net = nn.Linear(4, 3)
+    ref = clone_module(net)
+
+    class Transposed(nn.Module):
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:  # (features, batch) -> (3, batch)
+            return self.inner(x.t()).t()
+
+    dp = torchdp.DataParallel(Transposed(net), devices=cpu_devices(2), dim=1, gather_output=False)
+
+    def mse(out: torch.Tensor, *, target: torch.Tensor) -> torch.Tensor:
+        return (out - target).pow(2).mean()
+
+    crit = torchdp.DataParallelCriterion(mse, dim=1)
+    x, y = torch.randn(4, 5), torch.randn(3, 5)
+    loss = crit(dp(x), target=y)
+    torch.testing.assert_close(loss, (ref(x.t()).t() - y).pow(2).mean())
+
+
+def test_explicit_reduction_overrides_and_output_device():
+    net = _net()
+    dp = torchdp.DataParallel(net, devices=cpu_devices(2), gather_output=False)
+    crit = torchdp.DataParallelCriterion(
+        lambda out, y: nn.functional.cross_entropy(out, y, reduction="sum"),
+        output_device="cpu",
+        reduction="sum",
+    )
+    x, y = torch.randn(4, 6), torch.randint(0, 5, (4,))
+    loss = crit(dp(x), y)
+    assert loss.device == torch.device("cpu")
+    torch.testing.assert_close(loss, nn.functional.cross_entropy(net(x), y, reduction="sum"))
+
+
+def test_criterion_errors_name_the_problem_and_the_fix():
+    net = _net()
+    dp = torchdp.DataParallel(net, devices=cpu_devices(2), gather_output=False)
+    gathered = torchdp.DataParallel(net, devices=cpu_devices(2))
+    x, y = torch.randn(4, 6), torch.randint(0, 5, (4,))
+    crit = torchdp.DataParallelCriterion(nn.CrossEntropyLoss())
+    with pytest.raises(TypeError, match="gather_output=False"):
+        crit(gathered(x), y)
+    with pytest.raises(ValueError, match="got no outputs"):
+        crit([], y)
+    with pytest.raises(ValueError, match="split into 1 chunks.*2 outputs"):
+        crit(dp(x), y[:1])
+    with pytest.raises(TypeError, match="output 0 holds no tensor"):
+        crit(["a", "b"], y)
+    with pytest.raises(ValueError, match="reduction must be one of"):
+        torchdp.DataParallelCriterion(nn.CrossEntropyLoss(), reduction="avg")
+    with pytest.raises(TypeError, match="criterion must be callable"):
+        torchdp.DataParallelCriterion("cross_entropy")
+    per_sample = torchdp.DataParallelCriterion(
+        lambda o, t: nn.functional.cross_entropy(o, t, reduction="none"), reduction="mean"
+    )
+    with pytest.raises(ValueError, match="replica 0 gave \\(2,\\).*reduction='none'"):
+        per_sample(dp(x), y)
