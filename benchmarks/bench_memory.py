@@ -7,11 +7,13 @@ nhead=16, dim_feedforward=4096, batch_first=True) and a ``nn.Linear(1024, 50000)
 * ``single``: one GPU;
 * ``torch_dp`` / ``torchdp``: ``torch.nn.DataParallel`` / ``torchdp.DataParallel`` used as usual:
   the logits are gathered on GPU 0 and the loss is computed there;
-* ``torchdp_balanced``: the loss is computed inside each replica (model + criterion in one module
-  whose forward(tokens, targets) returns the replica's mean loss); only the per-replica scalars
-  are gathered, then ``.mean()``, so GPU 0 never holds the full logits;
-* ``torch_dp_balanced``: the same usage with ``torch.nn.DataParallel`` (the pattern is not
-  torchdp-specific; recorded so the comparison stays fair);
+* ``torchdp_balanced``: torchdp's balanced option: ``torchdp.DataParallel(model,
+  gather_output=False)`` returns each replica's logits on its own GPU and
+  ``torchdp.DataParallelCriterion(lm_loss)`` computes the loss there; only the per-replica scalars
+  travel, so GPU 0 never holds the full logits;
+* ``torch_dp_balanced``: the closest ``torch.nn.DataParallel`` pattern (it has no such option): the
+  loss is computed inside each replica (model + criterion in one module whose forward(tokens,
+  targets) returns the replica's mean loss), the scalars are gathered, then ``.mean()``;
 * ``ddp``: DistributedDataParallel, one process per GPU (NCCL), ``batch / gpus`` samples each.
 
 Every mode starts from the same weights and inputs. Per mode: ``step_ms_median`` (warm-up 2,
@@ -52,6 +54,8 @@ from bench_train_step import (
 )
 from torch import nn
 
+import torchdp
+
 SEED = 1234
 INPUT_SEED = 4321
 LR = 1e-3
@@ -65,6 +69,7 @@ FULL = {"vocab": 50000, "d": 1024, "layers": 4, "nhead": 16, "ff": 4096, "batch"
 SMOKE = {"vocab": 1000, "d": 32, "layers": 1, "nhead": 4, "ff": 64, "batch": 4, "seq": 16}
 
 BALANCED_NOTE = "loss computed inside each replica"
+TORCHDP_BALANCED_NOTE = "gather_output=False + DataParallelCriterion: loss on each replica's GPU"
 _GATHER_SCALARS = ".*Was asked to gather along dimension 0, but all input tensors were scalars.*"
 
 
@@ -176,6 +181,13 @@ def run_local_mode(
     if mode == "single":
         wrapped: nn.Module = model
         devices = [dev0]
+    elif mode == "torchdp_balanced":
+        wrapped = (
+            torchdp.DataParallel(model, devices=mode_devices(True, gpus), gather_output=False)
+            if smoke
+            else torchdp.DataParallel(model, device_ids=list(range(gpus)), gather_output=False)
+        )
+        devices = mode_devices(smoke, gpus)
     else:
         impl = mode.removesuffix("_balanced")
         inner = LossInReplica(model) if balanced else model
@@ -183,7 +195,13 @@ def run_local_mode(
         if note:
             notes.append(note)
         devices = mode_devices(smoke, gpus) if wrapped.device_ids else [dev0]
-    if balanced:
+    if mode == "torchdp_balanced":
+        notes.insert(0, TORCHDP_BALANCED_NOTE)
+        criterion = torchdp.DataParallelCriterion(lm_loss)
+
+        def forward_loss() -> torch.Tensor:
+            return criterion(wrapped(tokens), targets)  # logits stay on their GPUs
+    elif balanced:
         notes.insert(0, BALANCED_NOTE)
 
         def forward_loss() -> torch.Tensor:
@@ -317,7 +335,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             for mode in local_modes:
                 for g in [1] if mode == "single" else multi:
                     rec = base(dtype, mode, g)
-                    if mode.endswith("_balanced"):
+                    if mode == "torchdp_balanced":
+                        rec["note"] = TORCHDP_BALANCED_NOTE
+                    elif mode.endswith("_balanced"):
                         rec["note"] = BALANCED_NOTE
                     if setup_error:
                         failed(rec, setup_error)
