@@ -715,6 +715,36 @@ void check_replica_devices(const std::vector<py::list>& copies,
   }
 }
 
+// True when every parameter and buffer of `module` is on `device` (the per-forward check of
+// DataParallel; the caller looks for names only when this fails).
+bool all_on_device(py::handle module, const c10::Device& device_in) {
+  const auto device = detail::canonical(device_in);
+  TypeTable types;
+  const Network net = walk_network(module, types);
+  if (!net.dicts_ok) {
+    for (const char* method : {"parameters", "buffers"}) {
+      for (auto t : module.attr(method)()) {
+        if (misplaced(t.ptr(), device)) {
+          return false;
+        }
+      }
+    }
+    return true;
+  }
+  for (const auto& e : net.modules) {
+    for (const py::object* dict : {&e.params, &e.buffers}) {
+      PyObject *key = nullptr, *value = nullptr;
+      Py_ssize_t pos = 0;
+      while (PyDict_Next(dict->ptr(), &pos, &key, &value)) {
+        if (misplaced(value, device)) {
+          return false;
+        }
+      }
+    }
+  }
+  return true;
+}
+
 } // namespace
 
 void init_replicate(py::module_& m) {
@@ -741,6 +771,10 @@ written. Raises RuntimeError for a ScriptModule with Python modules below it.)do
       R"doc(Raises RuntimeError when a registered parameter or buffer of the replica rooted at copies[j][0]
 (walked from that root, so modules added by hooks count) is not on devices[j], naming its qualified
 name, its device and the expected device.)doc");
+  m.def("all_on_device", torch::wrap_pybind_function(all_on_device), py::arg("module"),
+        py::arg("device"),
+        R"doc(True when every parameter and buffer of `module` (as module.parameters() and
+module.buffers() list them) is on `device`.)doc");
 }
 
 } // namespace torchdp::python

@@ -19,6 +19,7 @@ from torch._utils import (
     _get_devices_properties,
 )
 
+from torchdp import _C
 from torchdp.parallel_apply import parallel_apply
 from torchdp.replicate import replicate
 from torchdp.scatter_gather import DeviceLike, _to_device, _to_devices, gather, scatter_kwargs
@@ -91,11 +92,9 @@ def _check_module_device(
     module: nn.Module, src_device: torch.device
 ) -> tuple[str, str, torch.device] | None:
     """The first parameter or buffer not on ``src_device``, as (kind, qualified name, device)."""
-    for t in chain(module.parameters(), module.buffers()):
-        if t.device != src_device:
-            break
-    else:
+    if _C.all_on_device(module, src_device):  # a dictionary walk in C++: the per-forward path
         return None
+    t = next(t for t in chain(module.parameters(), module.buffers()) if t.device != src_device)
     # Only on failure: find the qualified name of the first offending tensor.
     for name, p in module.named_parameters(remove_duplicate=False):
         if p.device != src_device:

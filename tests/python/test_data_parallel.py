@@ -450,3 +450,17 @@ def test_functional_errors():
         ValueError, match="torchdp.data_parallel: devices= must name at least one device"
     ):
         torchdp.data_parallel(_net(), torch.randn(2, 4), devices=[])
+
+
+def test_device_check_sees_every_parameter_and_buffer():
+    # torchdp._C.all_on_device is the per-forward check: nested, shared and scripted modules.
+    inner = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+    net = nn.Sequential(inner, nn.ReLU(), inner, None)
+    assert torchdp._C.all_on_device(net, CPU)
+    assert not torchdp._C.all_on_device(net, META)
+    inner[1]._buffers["num_batches_tracked"] = inner[1].num_batches_tracked.to("meta")
+    assert not torchdp._C.all_on_device(net, CPU)
+    scripted = nn.Sequential(nn.Linear(2, 2), torch.jit.script(nn.Linear(2, 2)))
+    assert torchdp._C.all_on_device(scripted, CPU)
+    scripted[1].to("meta")
+    assert not torchdp._C.all_on_device(scripted, CPU)
