@@ -14,7 +14,9 @@
 #include <torchdp/devices.h>
 #include <torchdp/parallel_apply.h>
 
+#include <c10/core/DeviceGuard.h>
 #include <c10/util/Exception.h>
+#include <c10/util/irange.h>
 
 #include <cstddef>
 #include <cstdint>
@@ -49,8 +51,45 @@ struct PythonError {
   py::object trace;
 };
 
+// Note [Serial replicas]
+// Python replicas contend for the GIL: every ATen call from Python releases it and the other
+// worker takes it, so two threads running Python forwards hand the GIL back and forth once per
+// operation, each handoff costing a thread wake-up. When the forward is mostly Python (many small
+// modules) that ping-pong can double its cost. serial=True runs the functions one after the
+// other on the calling thread instead, each with its device current (kernels are queued
+// asynchronously, so device j starts as soon as its forward is issued); same results, same error
+// rule (every function runs; the lowest-index exception is re-raised).
+py::list run_serially(const std::vector<py::function>& fns, const std::vector<c10::Device>& devices) {
+  const size_t n = fns.size();
+  std::vector<py::object> results(n);
+  std::vector<PythonError> errors(n);
+  for (const auto i : c10::irange(n)) {
+    c10::OptionalDeviceGuard guard;
+    if (devices[i].type() != c10::kCPU && devices[i].type() != c10::kMeta) {
+      guard.reset_device(devices[i]);
+    }
+    try {
+      results[i] = fns[i]();
+    } catch (py::error_already_set& e) {
+      errors[i] = PythonError{e.type(), e.value(), e.trace()};
+    }
+  }
+  for (auto& error : errors) {
+    if (error.type) {
+      PyErr_Restore(error.type.release().ptr(), error.value.release().ptr(),
+                    error.trace.release().ptr());
+      throw py::error_already_set();
+    }
+  }
+  py::list out;
+  for (auto& result : results) {
+    out.append(std::move(result));
+  }
+  return out;
+}
+
 py::list parallel_apply(const std::vector<py::function>& fns,
-                        const std::vector<c10::Device>& devices_in) {
+                        const std::vector<c10::Device>& devices_in, bool serial) {
   constexpr const char* api = "torchdp.parallel_apply";
   HANDLE_TH_ERRORS
   TORCH_CHECK_VALUE(fns.size() == devices_in.size(), api, ": got ", fns.size(), " functions but ",
@@ -59,6 +98,9 @@ py::list parallel_apply(const std::vector<py::function>& fns,
   py::list out;
   if (n == 0) {
     return out;
+  }
+  if (serial) {
+    return run_serially(fns, normalize_devices(devices_in, api));
   }
   std::vector<c10::Device> devices;
   std::vector<py::object> results(n);
@@ -271,14 +313,17 @@ Returns:
 
   m.def(
       "parallel_apply", &parallel_apply, py::arg("fns"), py::arg("devices"),
+      py::arg("serial") = false,
       R"doc(Calls ``fns[i]()`` for every ``i`` in parallel, on torchdp's persistent worker ``i`` (``fns[0]`` on
 the calling thread), with ``devices[i]`` as the current device and the caller's current stream,
 grad mode and autocast state. The GIL is released while waiting and taken by each worker to call
-its function.
+its function. With ``serial=True`` the functions run one after the other on the calling thread,
+each with its device current (no GIL handoffs between workers).
 
 Args:
     fns (List[Callable[[], object]]): the functions, one per device.
     devices (List[torch.device]): the devices, one per function.
+    serial (bool): run on the calling thread, in order. Default: ``False``.
 
 Returns:
     List[object]: ``[fns[0](), fns[1](), ...]`` in order.

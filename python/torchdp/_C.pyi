@@ -36,7 +36,7 @@ def gather(
     differentiable: bool = True,
 ) -> Tensor: ...
 def parallel_apply(
-    fns: Sequence[Callable[[], object]], devices: Sequence[torch.device]
+    fns: Sequence[Callable[[], object]], devices: Sequence[torch.device], serial: bool = False
 ) -> list[object]: ...
 def replicate(
     network: nn.Module, devices: Sequence[torch.device], detach: bool = False

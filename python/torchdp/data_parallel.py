@@ -166,6 +166,10 @@ class DataParallel(_TorchDataParallel[T]):
             :attr:`output_device`; compute the loss per replica with
             :class:`torchdp.DataParallelCriterion` so that the first device does not hold the whole
             batch's outputs (memory balance). Default: ``True``.
+        serial_forward (bool, keyword-only): issue the replicas' forwards one after the other on
+            the calling thread instead of on parallel workers (see
+            :func:`torchdp.parallel_apply`); faster for forwards made of many small Python-level
+            operations, which are bound by the CPU and the GIL. Default: ``False``.
 
     Attributes:
         module (Module): the module to be parallelized.
@@ -187,6 +191,7 @@ class DataParallel(_TorchDataParallel[T]):
         devices: Sequence[DeviceLike] | None = None,
         place_module: bool = False,
         gather_output: bool = True,
+        serial_forward: bool = False,
     ) -> None:
         # Deliberately not torch.nn.DataParallel.__init__: the base class is only there for
         # isinstance checks.
@@ -195,6 +200,7 @@ class DataParallel(_TorchDataParallel[T]):
         self._place_module = bool(place_module)
         self._placed = False
         self.gather_output = bool(gather_output)
+        self.serial_forward = bool(serial_forward)
 
         if devices is not None:
             device_list, self.output_device = _resolve_explicit(
@@ -286,7 +292,13 @@ class DataParallel(_TorchDataParallel[T]):
         self, replicas: Sequence[T], inputs: Sequence[Any], kwargs: Any
     ) -> list[Any]:
         """Runs each replica on its chunk, replica ``i`` on ``device_ids[i]``."""
-        return parallel_apply(replicas, inputs, kwargs, self.device_ids[: len(replicas)])
+        return parallel_apply(
+            replicas,
+            inputs,
+            kwargs,
+            self.device_ids[: len(replicas)],
+            serial=getattr(self, "serial_forward", False),
+        )
 
     def gather(self, outputs: Any, output_device: int | torch.device) -> Any:
         """Concatenates the replicas' outputs on :attr:`output_device` along ``dim``."""

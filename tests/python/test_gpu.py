@@ -282,3 +282,19 @@ def test_per_replica_outputs_stay_on_their_gpus_and_the_loss_matches():
     cpu_weight = torchdp.DataParallelCriterion(nn.CrossEntropyLoss(weight=weight.cpu()))
     with pytest.raises(RuntimeError, match="criterion.to\\('cuda:0'\\)"):
         cpu_weight(dp(x), y)
+
+
+@pytest.mark.parametrize("serial", [False, True])
+def test_each_replica_runs_with_its_gpu_current(serial):
+    class Where(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+
+        def forward(self, x):
+            return self.lin(x), torch.full((x.shape[0],), torch.cuda.current_device())
+
+    dp = torchdp.DataParallel(Where().cuda(0), device_ids=[0, 1], serial_forward=serial)
+    out, where = dp(torch.randn(4, 3))
+    assert where.tolist() == [0, 0, 1, 1]
+    assert out.device == torch.device("cuda", 0)

@@ -159,3 +159,63 @@ def test_error_inside_data_parallel_names_the_replica():
     dp = torchdp.DataParallel(FailsOnSmallBatch(), devices=cpu_devices(2))
     with pytest.raises(IndexError, match=r"Caught IndexError in replica 1 on device cpu"):
         dp(torch.randn(5, 1))  # chunks of 3 and 2
+
+
+# --- serial=True (csrc/python/bind_core.cpp, Note [Serial replicas]) -----------------------------
+
+
+def test_serial_runs_in_order_on_the_calling_thread():
+    order: list[int] = []
+
+    class Record(nn.Module):
+        def __init__(self, i: int) -> None:
+            super().__init__()
+            self.i = i
+
+        def forward(self, x):
+            order.append(self.i)
+            return threading.get_ident(), x * self.i
+
+    outs = torchdp.parallel_apply(
+        [Record(i) for i in range(3)], [torch.ones(2)] * 3, None, cpu_devices(3), serial=True
+    )
+    assert order == [0, 1, 2]
+    assert all(o[0] == threading.get_ident() for o in outs)
+    for i, o in enumerate(outs):
+        torch.testing.assert_close(o[1], torch.full((2,), float(i)))
+
+
+def test_serial_keeps_grad_mode_autocast_and_the_error_rule():
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        outs = torchdp.parallel_apply([Probe()] * 2, [0, 0], None, cpu_devices(2), serial=True)
+    assert [(o["grad"], o["autocast"], o["dtype"]) for o in outs] == [
+        (False, True, torch.bfloat16)
+    ] * 2
+    ran: list[int] = []
+
+    class Mark(Raises):
+        def forward(self, x):
+            ran.append(x)
+            return super().forward(x)
+
+    modules = [Mark(None), Mark(KeyError("one")), Mark(ValueError("two"))]
+    with pytest.raises(KeyError, match="Caught KeyError in replica 1 on device cpu"):
+        torchdp.parallel_apply(modules, [0, 1, 2], None, cpu_devices(3), serial=True)
+    assert ran == [0, 1, 2]  # every replica ran, as with workers
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_data_parallel_serial_forward_equals_the_module(n):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3))
+    ref = nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3))
+    ref.load_state_dict(net.state_dict())
+    dp = torchdp.DataParallel(net, devices=cpu_devices(n), serial_forward=True)
+    assert dp.serial_forward
+    x = torch.randn(8, 5)
+    out = dp(x)
+    torch.testing.assert_close(out, ref(x))
+    out.pow(2).sum().backward()
+    ref(x).pow(2).sum().backward()
+    for p, q in zip(net.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
