@@ -1,5 +1,8 @@
 """Full training steps: single GPU vs torch.nn.DataParallel vs torchdp.DataParallel vs DDP.
 
+Modes: ``single``, ``torch_dp``, ``torchdp``, ``torchdp_serial`` (``torchdp.DataParallel`` with
+``serial_forward=True``) and ``ddp``.
+
 One step is ``optimizer.zero_grad(set_to_none=True)``, forward, loss, backward, SGD step, for
 
 * ``resnet50``: torchvision ResNet-50, batch 256 x 3x224x224, cross-entropy on random labels;
@@ -65,7 +68,7 @@ LR = 1e-3
 
 MODELS = ("resnet50", "transformer", "mlp200")
 DTYPES = ("fp32", "bf16")
-MODES = ("single", "torch_dp", "torchdp", "ddp")
+MODES = ("single", "torch_dp", "torchdp", "torchdp_serial", "ddp")
 
 # (batch, per-sample input shape, classes or None) -- full size and --smoke
 SHAPES = {
@@ -147,10 +150,18 @@ def wrap_data_parallel(
                 return _Passthrough(module), note
             return TorchDataParallel(module), note
         return TorchDataParallel(module, device_ids=list(range(gpus))), None
-    if impl == "torchdp":
+    if impl in ("torchdp", "torchdp_serial"):
+        serial = impl == "torchdp_serial"
+        note = "serial_forward=True: replicas issued in order on the calling thread" if serial else None
         if smoke:
-            return torchdp.DataParallel(module, devices=mode_devices(True, gpus)), None
-        return torchdp.DataParallel(module, device_ids=list(range(gpus))), None
+            return (
+                torchdp.DataParallel(module, devices=mode_devices(True, gpus), serial_forward=serial),
+                note,
+            )
+        return (
+            torchdp.DataParallel(module, device_ids=list(range(gpus)), serial_forward=serial),
+            note,
+        )
     raise ValueError(impl)
 
 

@@ -37,8 +37,8 @@ Record = dict[str, Any]
 
 # Display order of modes; unknown modes come after, in order of appearance.
 MODE_ORDER = [
-    "single", "torch_dp", "torch_dp_balanced", "libtorch_dp", "torchdp", "torchdp_balanced",
-    "torchdp_functional", "ddp", "torch_replicate", "libtorch_replicate", "torchdp_replicate",
+    "single", "torch_dp", "torch_dp_balanced", "libtorch_dp", "torchdp", "torchdp_serial",
+    "torchdp_balanced", "torchdp_functional", "ddp", "torch_replicate", "libtorch_replicate", "torchdp_replicate",
 ]
 DTYPE_ORDER = ["fp32", "tf32", "bf16", "fp16"]
 CPP_BENCHES = ("cpp_train_step", "cpp_replicate")
