@@ -241,9 +241,11 @@ struct BroadcastBackward : Node {
       }
     }
     auto sums = reduce_add_coalesced(per_device, source_, buffer_size_);
+    const void* recorded = nullptr; // consecutive sums are views of one flat buffer
     for (const auto i : c10::irange(wanted.size())) {
-      if (forward_streams_[0]) {
+      if (forward_streams_[0] && sums[i].has_storage() && sums[i].storage().data() != recorded) {
         record_on(sums[i], *forward_streams_[0]);
+        recorded = sums[i].storage().data();
       }
       result[wanted[i]] = std::move(sums[i]);
     }
