@@ -169,7 +169,9 @@ class DataParallel(_TorchDataParallel[T]):
         serial_forward (bool, keyword-only): issue the replicas' forwards one after the other on
             the calling thread instead of on parallel workers (see
             :func:`torchdp.parallel_apply`); faster for forwards made of many small Python-level
-            operations, which are bound by the CPU and the GIL. Default: ``False``.
+            operations, which are bound by the CPU and the GIL. Replicas that wait for each
+            other inside the forward (cross-replica BatchNorm synchronisation through queues)
+            must keep the default, or they wait forever. Default: ``False``.
 
     Attributes:
         module (Module): the module to be parallelized.

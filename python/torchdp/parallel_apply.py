@@ -102,7 +102,9 @@ def parallel_apply(
         serial (bool, keyword-only): run the modules one after the other on the calling thread
             (each with its device current) instead of on parallel workers. Python forwards made
             of many small operations run faster this way: parallel workers hand the GIL back and
-            forth at every operation. Same results and errors. Default: ``False``.
+            forth at every operation. Same results and errors. Modules that wait for each other
+            (cross-replica synchronisation inside the forward) need the parallel workers.
+            Default: ``False``.
 
     Returns:
         list: the output of each module, in order.
