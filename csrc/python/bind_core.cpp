@@ -59,7 +59,8 @@ struct PythonError {
 // other on the calling thread instead, each with its device current (kernels are queued
 // asynchronously, so device j starts as soon as its forward is issued); same results, same error
 // rule (every function runs; the lowest-index exception is re-raised).
-py::list run_serially(const std::vector<py::function>& fns, const std::vector<c10::Device>& devices) {
+py::list run_serially(const std::vector<py::function>& fns,
+                      const std::vector<c10::Device>& devices) {
   const size_t n = fns.size();
   std::vector<py::object> results(n);
   std::vector<PythonError> errors(n);

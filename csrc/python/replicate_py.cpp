@@ -112,8 +112,8 @@ bool same_attribute(py::handle type, const char* name, py::handle expected) {
 }
 
 struct TypeInfo {
-  bool plain = false;  // built with dictionary operations (Note [Two ways to build a replica])
-  bool script = false; // a torch.jit.ScriptModule
+  bool plain = false;    // built with dictionary operations (Note [Two ways to build a replica])
+  bool script = false;   // a torch.jit.ScriptModule
   bool walkable = false; // named_modules() / modules() are nn.Module's
   bool overrides_setattr = false;
 };
@@ -252,7 +252,8 @@ void check_replicatable(const Network& net, TypeTable& types) {
 // every assignment. A module whose __setattr__ swallows or redirects the assignment (cplxmodule's
 // masked layers copy into the existing `mask`) leaves the replica with the original's tensor, on
 // the original's device, and may even write the copy into the original. torchdp therefore
-//   * for classes that override __setattr__, first puts a fresh empty tensor of the copy's device in
+//   * for classes that override __setattr__, first puts a fresh empty tensor of the copy's device
+//   in
 //     the replica's _buffers, so whatever the override reads or writes is the replica's own tensor
 //     (the original is never written), then calls setattr as PyTorch does;
 //   * checks that the replica now holds exactly the broadcast copy; if not, puts the copy in place
@@ -327,8 +328,8 @@ std::pair<py::list, py::list> parameters_and_buffers(py::handle network, const N
   const auto& r = refs();
   bool exact = net.dicts_ok;
   py::handle type(reinterpret_cast<PyObject*>(Py_TYPE(network.ptr())));
-  for (const char* name : {"parameters", "named_parameters", "buffers", "named_buffers",
-                           "_named_members"}) {
+  for (const char* name :
+       {"parameters", "named_parameters", "buffers", "named_buffers", "_named_members"}) {
     exact = exact && same_attribute(type, name, r.module_type.attr(name));
   }
   if (!exact) {
@@ -361,7 +362,8 @@ void wire_plain(const ModuleEntry& e, size_t j, const std::vector<py::list>& cop
   PyObject *key = nullptr, *value = nullptr;
   Py_ssize_t pos = 0;
   while (PyDict_Next(e.children.ptr(), &pos, &key, &value)) {
-    dict_set(d.modules.ptr(), key, value == Py_None ? Py_None : copies[j][net.index.at(value)].ptr());
+    dict_set(d.modules.ptr(), key,
+             value == Py_None ? Py_None : copies[j][net.index.at(value)].ptr());
   }
   pos = 0;
   while (PyDict_Next(e.params.ptr(), &pos, &key, &value)) {
@@ -477,9 +479,9 @@ const at::Tensor& tensor_of(py::handle value, const char* kind) {
 
 bool registration_hooks_installed() {
   const auto& m = refs().module_module;
-  for (const char* name : {"_global_module_registration_hooks",
-                           "_global_parameter_registration_hooks",
-                           "_global_buffer_registration_hooks"}) {
+  for (const char* name :
+       {"_global_module_registration_hooks", "_global_parameter_registration_hooks",
+        "_global_buffer_registration_hooks"}) {
     py::object hooks = py::getattr(m, name, py::none());
     if (!hooks.is_none() && py::len(hooks) > 0) {
       return true;
@@ -524,7 +526,8 @@ std::vector<py::list> replicate(py::object network, const std::vector<c10::Devic
     for (const auto& t : group) {
       if (detail::canonical(t.device()) != devices[0]) {
         std::string name = "?";
-        const char* method = std::string(what) == "parameter" ? "named_parameters" : "named_buffers";
+        const char* method =
+            std::string(what) == "parameter" ? "named_parameters" : "named_buffers";
         for (auto item : network.attr(method)()) {
           auto pair = item.cast<py::tuple>();
           if (THPVariable_Unpack(pair[1].ptr()).unsafeGetTensorImpl() == t.unsafeGetTensorImpl()) {
@@ -643,8 +646,8 @@ std::optional<c10::Device> misplaced(PyObject* value, c10::Device expected) {
 
 void check_replica_devices(const std::vector<py::list>& copies,
                            const std::vector<c10::Device>& devices_in, const std::string& api) {
-  TORCH_CHECK(copies.size() == devices_in.size(), api, ": got ", copies.size(),
-              " replicas but ", devices_in.size(), " devices");
+  TORCH_CHECK(copies.size() == devices_in.size(), api, ": got ", copies.size(), " replicas but ",
+              devices_in.size(), " devices");
   if (copies.empty()) {
     return;
   }
@@ -764,9 +767,11 @@ are repaired (with a one-time UserWarning per class and attribute). The original
 written. Raises RuntimeError for a ScriptModule with Python modules below it.)doc");
   m.def(
       "check_replica_devices",
-      torch::wrap_pybind_function(
-          [](const std::vector<py::list>& copies, const std::vector<c10::Device>& devices,
-             const std::string& api) { check_replica_devices(copies, devices, api); }),
+      torch::wrap_pybind_function([](const std::vector<py::list>& copies,
+                                     const std::vector<c10::Device>& devices,
+                                     const std::string& api) {
+        check_replica_devices(copies, devices, api);
+      }),
       py::arg("copies"), py::arg("devices"), py::arg("api") = std::string(kApi),
       R"doc(Raises RuntimeError when a registered parameter or buffer of the replica rooted at copies[j][0]
 (walked from that root, so modules added by hooks count) is not on devices[j], naming its qualified

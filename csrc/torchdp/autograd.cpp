@@ -105,7 +105,8 @@ at::Tensor grad_or_zeros(const Node& node, const variable_list& grads, size_t i)
 
 size_t gradient_bucket_size() {
   // TORCHDP_GRAD_BUCKET_MB: the bucket size in MiB (default 25, as DistributedDataParallel);
-  // 0 puts every tensor in one bucket, reduced after the whole backward pass, on the current streams.
+  // 0 puts every tensor in one bucket, reduced after the whole backward pass, on the current
+  // streams.
   const char* env = std::getenv("TORCHDP_GRAD_BUCKET_MB");
   if (env == nullptr || *env == '\0') {
     return kDefaultGradBucketSize;
@@ -399,8 +400,8 @@ std::vector<std::vector<at::Tensor>> broadcast_coalesced(at::TensorList tensors,
     join->add_input_metadata(t); // on the forward's current stream, where gradients are consumed
   }
   for (const auto& bucket : gradient_buckets(tensors, bucket_size)) {
-    auto node = make_node<BroadcastBackward>(source, devices, bucket.size(), buffer_size, side,
-                                             forward);
+    auto node =
+        make_node<BroadcastBackward>(source, devices, bucket.size(), buffer_size, side, forward);
     torch::autograd::edge_list to_join;
     to_join.reserve(bucket.size());
     for (auto k : bucket) {
