@@ -57,18 +57,19 @@ void DataParallelImpl::ensure_placement() {
   const auto bad = detail::find_misplaced(*module_, target);
   TORCH_CHECK(!bad, kApi, ": module must have its parameters and buffers on device ", target,
               " (device_ids[0]) but found one of them on device: ", bad->device, " (", bad->kind,
-              " '", bad->name, "'). Move the module there before the forward, e.g. module->to(torch::Device(\"",
+              " '", bad->name,
+              "'). Move the module there before the forward, e.g. module->to(torch::Device(\"",
               target,
               "\")), or construct DataParallel with "
               "DataParallelOptions().place_module(true) to let it move the module itself");
 }
 
-at::Tensor DataParallelImpl::run(std::vector<at::Tensor> inputs, const Call& call) {
+std::vector<at::Tensor> DataParallelImpl::run(std::vector<at::Tensor> inputs, const Call& call) {
   for (const auto i : c10::irange(inputs.size())) {
     TORCH_CHECK(inputs[i].defined(), kApi, ": forward argument ", i, " is an undefined tensor");
   }
   if (device_ids_.empty()) {
-    return call(any_, inputs);
+    return {call(any_, inputs)};
   }
   ensure_placement();
   const auto dim = options.dim();
@@ -76,7 +77,7 @@ at::Tensor DataParallelImpl::run(std::vector<at::Tensor> inputs, const Call& cal
     for (auto& x : inputs) {
       x = x.to(device_ids_.front());
     }
-    return call(any_, inputs).to(*output_device_);
+    return {call(any_, inputs).to(*output_device_)};
   }
   std::vector<std::vector<at::Tensor>> chunks(inputs.size());
   size_t n = device_ids_.size();
@@ -99,7 +100,54 @@ at::Tensor DataParallelImpl::run(std::vector<at::Tensor> inputs, const Call& cal
     }
     outputs[i] = call(replica, args);
   });
-  return autograd::gather(outputs, *output_device_, dim);
+  return outputs;
+}
+
+at::Tensor DataParallelImpl::join(std::vector<at::Tensor> outputs) const {
+  if (device_ids_.size() <= 1) { // passthrough or one device: already where it belongs
+    return std::move(outputs.front());
+  }
+  return autograd::gather(outputs, *output_device_, options.dim());
+}
+
+at::Tensor parallel_loss(
+    const std::vector<at::Tensor>& outputs, const at::Tensor& target,
+    const std::function<at::Tensor(const at::Tensor&, const at::Tensor&)>& loss_fn,
+    LossReduction reduction, int64_t dim, std::optional<c10::Device> output_device) {
+  constexpr const char* api = "torchdp::parallel_loss";
+  TORCH_CHECK(!outputs.empty(), api,
+              ": got no outputs; pass the per-replica outputs of "
+              "DataParallel::forward_replicas");
+  TORCH_CHECK(static_cast<bool>(loss_fn), api, ": loss_fn is empty");
+  TORCH_CHECK(target.defined(), api, ": the target is an undefined tensor");
+  TORCH_CHECK(target.dim() > 0, api,
+              ": the target is a 0-dim tensor, which cannot be split along dim ", dim,
+              "; give it a batch dimension");
+  std::vector<c10::Device> devices;
+  for (const auto i : c10::irange(outputs.size())) {
+    TORCH_CHECK(outputs[i].defined(), api, ": output ", i, " is an undefined tensor");
+    devices.push_back(detail::canonical(outputs[i].device()));
+  }
+  auto chunks = autograd::scatter(target, devices, std::nullopt, dim);
+  TORCH_CHECK(chunks.size() == outputs.size(), api, ": the target splits into ", chunks.size(),
+              " chunks along dim ", dim, " (size ", target.size(dim), ") but there are ",
+              outputs.size(), " outputs; pass a target with the same batch size as the inputs");
+  const auto destination = output_device ? normalize_device(*output_device, api) : devices.front();
+  const int64_t total = target.size(dim);
+  at::Tensor result;
+  for (const auto i : c10::irange(outputs.size())) {
+    auto loss = loss_fn(outputs[i], chunks[i]);
+    TORCH_CHECK(
+        loss.defined() && loss.dim() == 0, api, ": loss_fn must return a 0-dim tensor, but ",
+        "for replica ", i, " it returned ",
+        loss.defined() ? c10::str("sizes ", loss.sizes()) : std::string("an undefined tensor"));
+    loss = loss.to(destination);
+    if (reduction == LossReduction::Mean) {
+      loss = loss * (static_cast<double>(chunks[i].size(dim)) / static_cast<double>(total));
+    }
+    result = result.defined() ? result + loss : loss;
+  }
+  return result;
 }
 
 void DataParallelImpl::pretty_print(std::ostream& stream) const {

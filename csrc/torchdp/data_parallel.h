@@ -73,9 +73,21 @@ class DataParallelImpl : public torch::nn::Module {
                   "torchdp::DataParallel::forward needs at least one tensor");
     static_assert((std::is_convertible_v<Tensors, at::Tensor> && ...),
                   "torchdp::DataParallel::forward takes tensor arguments only");
-    return run({at::Tensor(inputs)...}, [](torch::nn::AnyModule& m, std::vector<at::Tensor>& args) {
-      return call(m, args, std::index_sequence_for<Tensors...>{});
-    });
+    auto outputs = run({at::Tensor(inputs)...}, make_call<Tensors...>());
+    return join(std::move(outputs));
+  }
+
+  /// The same forward without the gather: one output per replica, each on its replica's device
+  /// (one element when DataParallel passes through or runs on one device). Compute the loss per
+  /// replica with torchdp::parallel_loss so that output_device never holds the whole batch's
+  /// outputs (memory balance).
+  template <typename... Tensors>
+  std::vector<at::Tensor> forward_replicas(const Tensors&... inputs) {
+    static_assert(sizeof...(Tensors) > 0,
+                  "torchdp::DataParallel::forward_replicas needs at least one tensor");
+    static_assert((std::is_convertible_v<Tensors, at::Tensor> && ...),
+                  "torchdp::DataParallel::forward_replicas takes tensor arguments only");
+    return run({at::Tensor(inputs)...}, make_call<Tensors...>());
   }
 
   /// The devices in use (empty when DataParallel passes through to the module).
@@ -119,10 +131,20 @@ class DataParallelImpl : public torch::nn::Module {
                          std::index_sequence<I...>) {
     return m.forward(args[I]...);
   }
+  template <typename... Tensors>
+  static Call make_call() {
+    return [](torch::nn::AnyModule& m, std::vector<at::Tensor>& args) {
+      return call(m, args, std::index_sequence_for<Tensors...>{});
+    };
+  }
 
   void init(std::shared_ptr<torch::nn::Module> module, Wrap wrap);
   void ensure_placement();
-  at::Tensor run(std::vector<at::Tensor> inputs, const Call& call);
+  // The per-replica outputs (one when passing through or on one device, already on
+  // output_device then).
+  std::vector<at::Tensor> run(std::vector<at::Tensor> inputs, const Call& call);
+  // The gathered output of run()'s outputs.
+  at::Tensor join(std::vector<at::Tensor> outputs) const;
 
   std::shared_ptr<torch::nn::Module> module_;
   torch::nn::AnyModule any_;
@@ -134,6 +156,31 @@ class DataParallelImpl : public torch::nn::Module {
 
 /// A `ModuleHolder` for DataParallelImpl (see its documentation).
 TORCH_MODULE(DataParallel);
+
+/// How parallel_loss combines the per-replica losses.
+enum class LossReduction {
+  Mean, ///< average weighted by each chunk's number of samples (the whole-batch mean)
+  Sum,  ///< sum of the replicas' losses
+};
+
+/// The loss per replica, for memory balance: splits `target` along `dim` as DataParallel splits its
+/// inputs (`target.chunk(outputs.size(), dim)`), moves chunk i to outputs[i]'s device, computes
+/// `loss_fn(outputs[i], chunk_i)` there (a 0-dim tensor), and combines the losses on
+/// `output_device` (default: outputs[0]'s device); only scalars travel between devices.
+/// Differentiable. With `LossReduction::Mean` and a loss_fn that averages over its samples, the
+/// result is the whole-batch mean.
+///
+///   auto outputs = model->forward_replicas(x);   // model: torchdp::DataParallel
+///   auto loss = torchdp::parallel_loss(outputs, y, [](const at::Tensor& out, const at::Tensor& t)
+///   {
+///     return torch::nn::functional::cross_entropy(out, t);
+///   });
+///   loss.backward();
+at::Tensor parallel_loss(
+    const std::vector<at::Tensor>& outputs, const at::Tensor& target,
+    const std::function<at::Tensor(const at::Tensor&, const at::Tensor&)>& loss_fn,
+    LossReduction reduction = LossReduction::Mean, int64_t dim = 0,
+    std::optional<c10::Device> output_device = std::nullopt);
 
 /// Drop-in for torch::nn::parallel::data_parallel, with the same signature and results: splits
 /// `input` along `dim` over `devices` (default: all CUDA devices), runs a replica of `module` per

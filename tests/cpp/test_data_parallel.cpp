@@ -281,3 +281,69 @@ TEST_CASE("DataParallel rebuilds replicas when the training flag changes", "[cpu
   CHECK(dp->replicator().skeleton_builds() == 2);
   CHECK(torch::allclose(out, net->forward(x), 1e-5, 1e-6));
 }
+
+TEST_CASE("forward_replicas and parallel_loss give the whole-batch loss and gradients",
+          "[cpu][data_parallel]") {
+  torch::manual_seed(21);
+  const size_t n = GENERATE(as<size_t>{}, 2, 3);
+  const bool mean = GENERATE(true, false);
+  torch::nn::Linear linear(6, 4);
+  torch::nn::Linear reference(6, 4);
+  copy_state(*reference, *linear);
+  torchdp::DataParallel dp(linear, on(cpu_devices(n)));
+  const auto x = torch::randn({7, 6}); // chunks 4, 3 or 3, 3, 1
+  const auto y = torch::randint(0, 4, {7});
+  auto outputs = dp->forward_replicas(x);
+  REQUIRE(outputs.size() == n);
+  int64_t rows = 0;
+  for (const auto& o : outputs) {
+    rows += o.size(0);
+  }
+  CHECK(rows == 7);
+  namespace F = torch::nn::functional;
+  const auto reduction = mean ? torchdp::LossReduction::Mean : torchdp::LossReduction::Sum;
+  auto loss = torchdp::parallel_loss(
+      outputs, y,
+      [mean](const at::Tensor& out, const at::Tensor& t) {
+        return mean ? F::cross_entropy(out, t)
+                    : F::cross_entropy(out, t, F::CrossEntropyFuncOptions().reduction(torch::kSum));
+      },
+      reduction);
+  auto expected = mean ? F::cross_entropy(reference->forward(x), y)
+                       : F::cross_entropy(reference->forward(x), y,
+                                          F::CrossEntropyFuncOptions().reduction(torch::kSum));
+  CHECK(torch::allclose(loss, expected, 1e-5, 1e-6));
+  loss.backward();
+  expected.backward();
+  CHECK(torch::allclose(linear->weight.grad(), reference->weight.grad(), 1e-5, 1e-6));
+  CHECK(torch::allclose(linear->bias.grad(), reference->bias.grad(), 1e-5, 1e-6));
+}
+
+TEST_CASE("forward_replicas on one device and parallel_loss errors", "[cpu][data_parallel]") {
+  torch::nn::Linear linear(3, 2);
+  torchdp::DataParallel one(linear, on(cpu_devices(1)));
+  const auto x = torch::randn({4, 3});
+  auto single = one->forward_replicas(x);
+  REQUIRE(single.size() == 1);
+  CHECK(torch::allclose(single[0], linear->forward(x)));
+  // A batch of 1 on 2 devices still gathers (one replica) where output_device says.
+  torchdp::DataParallel two(linear, on(cpu_devices(2)).output_device(torch::Device(torch::kCPU)));
+  CHECK(two->forward(torch::randn({1, 3})).size(0) == 1);
+
+  const auto mse = [](const at::Tensor& out, const at::Tensor& t) {
+    return (out - t).pow(2).mean();
+  };
+  constexpr const char* api = "torchdp::parallel_loss";
+  TORCHDP_CHECK_THROWS_WITH(torchdp::parallel_loss({}, torch::ones({2, 2}), mse), api,
+                            "got no outputs", "forward_replicas");
+  auto outputs = torchdp::DataParallel(linear, on(cpu_devices(2)))->forward_replicas(x);
+  TORCHDP_CHECK_THROWS_WITH(torchdp::parallel_loss(outputs, torch::ones({1, 2}), mse), api,
+                            "splits into 1 chunks", "2 outputs");
+  TORCHDP_CHECK_THROWS_WITH(torchdp::parallel_loss(outputs, torch::ones({}), mse), api,
+                            "0-dim tensor");
+  TORCHDP_CHECK_THROWS_WITH(torchdp::parallel_loss(outputs, torch::ones({4, 2}),
+                                                   [](const at::Tensor& out, const at::Tensor& t) {
+                                                     return out - t;
+                                                   }),
+                            api, "must return a 0-dim tensor", "replica 0", "[2, 2]");
+}
