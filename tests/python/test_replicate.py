@@ -358,6 +358,16 @@ def _fingerprint(root: nn.Module) -> list:
     return out
 
 
+class _Symmetric(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.triu() + x.triu(1).transpose(-1, -2)
+
+
+def _symmetric(module: nn.Module) -> nn.Module:
+    nn.utils.parametrize.register_parametrization(module, "weight", _Symmetric())
+    return module
+
+
 @pytest.fixture
 def slow_path():
     calls: list[str] = []
@@ -378,8 +388,12 @@ def slow_path():
         _Shared,
         lambda: nn.TransformerEncoder(nn.TransformerEncoderLayer(8, 2, 16), 2),
         lambda: nn.Sequential(nn.Linear(3, 3), nn.LSTM(3, 3)),  # RNNs take the PyTorch way
+        lambda: nn.Sequential(_symmetric(nn.Linear(3, 3)), nn.ReLU()),
+        lambda: nn.Sequential(nn.utils.parametrizations.spectral_norm(nn.Linear(3, 3))),
+        lambda: nn.Sequential(nn.utils.parametrizations.weight_norm(nn.Linear(3, 3))),
     ],
-    ids=["sequential", "shared", "transformer", "with-lstm"],
+    ids=["sequential", "shared", "transformer", "with-lstm", "parametrized", "spectral-norm",
+         "weight-norm"],
 )
 def test_fast_replicas_equal_pytorch_built_replicas(make, detach, request):
     torch.manual_seed(0)
@@ -392,6 +406,14 @@ def test_fast_replicas_equal_pytorch_built_replicas(make, detach, request):
     for f, s in zip(fast, slow, strict=True):
         assert _fingerprint(f) == _fingerprint(s)
         assert _fingerprint(f) != _fingerprint(net)
+    # The replicas compute what the module computes (eval mode: no dropout or batch statistics).
+    if not isinstance(net, _Shared) and not any(isinstance(m, nn.LSTM) for m in net.modules()):
+        first = next(m for m in net.modules() if isinstance(m, nn.Linear))
+        x = torch.randn(2, first.in_features)
+        net.eval()
+        with torch.no_grad():
+            for r in torchdp.replicate(net, [CPU, CPU], detach=detach):
+                torch.testing.assert_close(r.eval()(x), net(x))
 
 
 def test_fast_replicas_share_nothing_mutable_with_the_original():
