@@ -51,3 +51,21 @@ def test_results_validation_rejects_incomplete_records():
     common.validate_record({"bench": "x", "model": "m", "mode": "torchdp", "gpus": 2,
                             "dtype": "fp32", "speedup_vs_single": None, "peak_mem_gib": [],
                             "step_ms_median": 1.0})
+
+
+def test_profile_step_smoke_records_every_phase(tmp_path):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "python"), env.get("PYTHONPATH", "")])
+    out = tmp_path / "profile.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "profile_step.py"), "--smoke", "--models",
+         "mlp200", "--steps", "2", "--out", str(out)],
+        env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    data = json.loads(out.read_text())
+    (rec,) = data["records"]
+    assert rec["model"] == "mlp200" and rec["gpus"] == 2 and rec["step_ms_median"] > 0
+    phases = rec["phase_cpu_ms_per_step"]
+    assert set(phases) >= {"DataParallel.replicate", "DataParallel.parallel_apply", "backward"}
+    assert all(v > 0 for v in phases.values()), phases
+    assert rec["top_ops_self_cpu_ms_per_step"]
