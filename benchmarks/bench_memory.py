@@ -48,7 +48,7 @@ from bench_train_step import (
     free_memory,
     mode_devices,
     parse_list,
-    run_ddp,
+    record_ddp_jobs,
     time_left,
     wrap_data_parallel,
 )
@@ -243,31 +243,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     common.add_common_args(parser)
     parser.add_argument("--dtypes", default="fp32", help="comma list of fp32,bf16 (default fp32)")
     parser.add_argument("--modes", default=None, help=f"comma list of {','.join(MODES)}")
-    parser.add_argument("--warmup", type=int, default=None, help="warm-up steps (2; smoke 1)")
-    parser.add_argument("--steps", type=int, default=None, help="timed steps (5; smoke 1)")
-    parser.add_argument(
-        "--time-budget",
-        type=float,
-        default=None,
-        help="seconds; modes left after it are recorded as skipped (default 120; smoke 55)",
-    )
+    common.add_timing_args(parser, warmup=(2, 1), steps=(5, 1), budget=(120.0, 55.0))
     args = parser.parse_args(argv)
 
-    smoke = args.smoke
     dtypes = parse_list(args.dtypes, DTYPES, "dtypes")
     modes = parse_list(args.modes, MODES, "modes") if args.modes else list(DEFAULT_MODES)
-    warmup = args.warmup if args.warmup is not None else (1 if smoke else 2)
-    steps = args.steps if args.steps is not None else (1 if smoke else 5)
-    budget = args.time_budget if args.time_budget is not None else (55.0 if smoke else 120.0)
-    start = time.monotonic()
-    deadline = start + budget
-
-    if not smoke and not torch.cuda.is_available():
-        sys.exit("no CUDA device: run with --smoke on a machine without GPUs")
-    available = 2 if smoke else torch.cuda.device_count()
-    counts = common.gpu_counts(args.gpus, available)
-    multi = [g for g in counts if g > 1]
-    dev0 = torch.device("cpu") if smoke else torch.device("cuda", 0)
+    run = common.start_run(args, warmup=(2, 1), steps=(5, 1), budget=(120.0, 55.0))
+    smoke, warmup, steps, budget = run.smoke, run.warmup, run.steps, run.budget
+    deadline, multi, dev0 = run.deadline, run.multi, run.dev0
     c = config(smoke)
     desc = model_desc(smoke)
 
@@ -373,39 +356,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                 }
                 for d in dtypes
             ]
-            if time_left(deadline) <= 5:
-                for job in jobs:
-                    failed(base(job["dtype"], "ddp", g), "skipped: time budget exhausted")
-                continue
-            free_memory()
-            common.progress(f"ddp: spawning {g} ranks ({backend}) for {len(jobs)} configurations")
-            try:
-                outs = run_ddp(
-                    lm_ddp_job,
-                    jobs,
-                    g,
-                    backend,
-                    deadline,
-                    stall_timeout_s=40.0 if smoke else 90.0,
-                    threads=1 if smoke else None,
-                )
-            except Exception as exc:  # noqa: BLE001
-                outs = [{"error": f"ddp harness: {error_text(exc)}"}] * len(jobs)
-            for job, out in zip(jobs, outs):
-                rec = base(job["dtype"], "ddp", g)
-                rec["backend"] = backend
-                if "error" in out:
-                    failed(rec, out["error"])
-                    continue
-                rec.update(common.summarize(out["times"]))
-                rec["peak_mem_gib"] = out["peak_mem_gib"]
-                rec["batch_per_rank"] = out.get("batch_per_rank")
-                if smoke:
-                    rec["note"] = "CPU smoke: gloo backend, one process per CPU 'device'"
-                add(rec)
+            record_ddp_jobs(
+                lm_ddp_job,
+                jobs,
+                g,
+                backend,
+                deadline,
+                smoke,
+                lambda job: base(job["dtype"], "ddp", g),
+                failed,
+                add,
+            )
 
     results.write(args.out)
-    common.progress(f"memory finished in {time.monotonic() - start:.1f} s")
+    common.progress(f"memory finished in {time.monotonic() - run.started:.1f} s")
     return 0
 
 

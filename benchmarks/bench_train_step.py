@@ -433,6 +433,52 @@ def run_ddp(
     return out
 
 
+def record_ddp_jobs(
+    job_fn: Callable[..., dict],
+    jobs: list[dict[str, Any]],
+    gpus: int,
+    backend: str,
+    deadline: float,
+    smoke: bool,
+    make_record: Callable[[dict[str, Any]], dict[str, Any]],
+    failed: Callable[[dict[str, Any], str], None],
+    add: Callable[[dict[str, Any]], None],
+) -> None:
+    """Runs `jobs` under DDP on `gpus` ranks (run_ddp) and records one result per job:
+    make_record(job) gives the record's fixed fields; failures and a spent time budget are recorded
+    through `failed`, timings through `add`."""
+    if time_left(deadline) <= 5:
+        for job in jobs:
+            failed(make_record(job), "skipped: time budget exhausted")
+        return
+    free_memory()
+    common.progress(f"ddp: spawning {gpus} ranks ({backend}) for {len(jobs)} configurations")
+    try:
+        outs = run_ddp(
+            job_fn,
+            jobs,
+            gpus,
+            backend,
+            deadline,
+            stall_timeout_s=40.0 if smoke else 90.0,
+            threads=1 if smoke else None,
+        )
+    except Exception as exc:  # noqa: BLE001
+        outs = [{"error": f"ddp harness: {error_text(exc)}"}] * len(jobs)
+    for job, out in zip(jobs, outs):
+        rec = make_record(job)
+        rec["backend"] = backend
+        if "error" in out:
+            failed(rec, out["error"])
+            continue
+        rec.update(common.summarize(out["times"]))
+        rec["peak_mem_gib"] = out["peak_mem_gib"]
+        rec["batch_per_rank"] = out.get("batch_per_rank")
+        if smoke:
+            rec["note"] = "CPU smoke: gloo backend, one process per CPU 'device'"
+        add(rec)
+
+
 def _report_ddp_job(job: dict[str, Any], ranks: dict[int, dict[str, Any]]) -> None:
     errors = [r for r in ranks.values() if "error" in r]
     name = job.get("label", str(job))
@@ -706,15 +752,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--models", default=None, help=f"comma list of {','.join(MODELS)}")
     parser.add_argument("--dtypes", default=None, help=f"comma list of {','.join(DTYPES)}")
     parser.add_argument("--modes", default=None, help=f"comma list of {','.join(MODES)}")
-    parser.add_argument("--warmup", type=int, default=None, help="warm-up steps (3; smoke 1)")
-    parser.add_argument("--steps", type=int, default=None, help="timed steps (10; smoke 2)")
-    parser.add_argument(
-        "--time-budget",
-        type=float,
-        default=None,
-        help="seconds; configurations left after it are recorded as skipped "
-        "(default 200; smoke 55)",
-    )
+    common.add_timing_args(parser, warmup=(3, 1), steps=(10, 2), budget=(200.0, 55.0))
     parser.add_argument(
         "--no-grad-check",
         action="store_true",
@@ -722,24 +760,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
 
-    smoke = args.smoke
     models = parse_list(args.models, MODELS, "models")
     dtypes = parse_list(args.dtypes, DTYPES, "dtypes")
     modes = parse_list(args.modes, MODES, "modes")
-    warmup = args.warmup if args.warmup is not None else (1 if smoke else 3)
-    steps = args.steps if args.steps is not None else (2 if smoke else 10)
-    budget = args.time_budget if args.time_budget is not None else (55.0 if smoke else 200.0)
-    start = time.monotonic()
-    deadline = start + budget
-
-    if not smoke and not torch.cuda.is_available():
-        sys.exit("no CUDA device: run with --smoke on a machine without GPUs")
-    available = 2 if smoke else torch.cuda.device_count()
-    counts = common.gpu_counts(args.gpus, available)
-    multi = [g for g in counts if g > 1]
+    run = common.start_run(args, warmup=(3, 1), steps=(10, 2), budget=(200.0, 55.0))
+    smoke, warmup, steps, budget = run.smoke, run.warmup, run.steps, run.budget
+    deadline, multi, dev0 = run.deadline, run.multi, run.dev0
     if smoke:
         torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
-    dev0 = torch.device("cpu") if smoke else torch.device("cuda", 0)
     patched = TorchDataParallel is torchdp.DataParallel or issubclass(
         TorchDataParallel, torchdp.DataParallel
     )
@@ -880,39 +908,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for d in dtypes
             ]
             descs = {n: model_desc(n, smoke) for n in models}
-            if time_left(deadline) <= 5:
-                for job in jobs:
-                    failed(
-                        base(job["model"], job["dtype"], "ddp", g, descs[job["model"]]),
-                        "skipped: time budget exhausted",
-                    )
-                continue
-            free_memory()
-            common.progress(f"ddp: spawning {g} ranks ({backend}) for {len(jobs)} configurations")
-            try:
-                outs = run_ddp(
-                    train_ddp_job,
-                    jobs,
-                    g,
-                    backend,
-                    deadline,
-                    stall_timeout_s=40.0 if smoke else 90.0,
-                    threads=1 if smoke else None,
-                )
-            except Exception as exc:  # noqa: BLE001
-                outs = [{"error": f"ddp harness: {error_text(exc)}"}] * len(jobs)
-            for job, out in zip(jobs, outs):
-                rec = base(job["model"], job["dtype"], "ddp", g, descs[job["model"]])
-                rec["backend"] = backend
-                if "error" in out:
-                    failed(rec, out["error"])
-                    continue
-                rec.update(common.summarize(out["times"]))
-                rec["peak_mem_gib"] = out["peak_mem_gib"]
-                rec["batch_per_rank"] = out.get("batch_per_rank")
-                if smoke:
-                    rec["note"] = "CPU smoke: gloo backend, one process per CPU 'device'"
-                add(rec)
+            record_ddp_jobs(
+                train_ddp_job,
+                jobs,
+                g,
+                backend,
+                deadline,
+                smoke,
+                lambda job: base(job["model"], job["dtype"], "ddp", g, descs[job["model"]]),
+                failed,
+                add,
+            )
 
     # ---- ratios to DDP --------------------------------------------------------------------
     ddp_medians = {
@@ -926,7 +932,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             r["ratio_to_ddp"] = ref / r["step_ms_median"]
 
     results.write(args.out)
-    common.progress(f"train_step finished in {time.monotonic() - start:.1f} s")
+    common.progress(f"train_step finished in {time.monotonic() - run.started:.1f} s")
     return 0
 
 

@@ -20,6 +20,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
@@ -203,6 +204,67 @@ def add_common_args(parser) -> None:
     parser.add_argument("--out", required=True, help="JSON file to write")
     parser.add_argument("--gpus", default=None,
                         help="comma-separated GPU counts to compare, e.g. 1,2 (default: all)")
+
+
+def add_timing_args(parser, *, warmup: tuple[int, int], steps: tuple[int, int],
+                    budget: tuple[float, float]) -> None:
+    """--warmup, --steps and --time-budget; each default is given as (full run, --smoke)."""
+    parser.add_argument("--warmup", type=int, default=None,
+                        help=f"warm-up steps ({warmup[0]}; smoke {warmup[1]})")
+    parser.add_argument("--steps", type=int, default=None,
+                        help=f"timed steps ({steps[0]}; smoke {steps[1]})")
+    parser.add_argument("--time-budget", type=float, default=None,
+                        help="seconds; configurations left after it are recorded as skipped "
+                        f"(default {budget[0]:.0f}; smoke {budget[1]:.0f})")
+
+
+@dataclass
+class RunSettings:
+    """What a timing script's command line resolves to (see start_run)."""
+
+    smoke: bool
+    warmup: int
+    steps: int
+    budget: float
+    started: float  # time.monotonic() at start_run
+    deadline: float  # time.monotonic() value after which configurations are skipped
+    multi: list[int]  # the GPU counts above one to compare
+    dev0: torch.device  # where the single-device mode and the inputs live
+
+
+def start_run(args, *, warmup: tuple[int, int], steps: tuple[int, int],
+              budget: tuple[float, float]) -> RunSettings:
+    """Resolves --smoke/--gpus/--warmup/--steps/--time-budget (defaults as (full, smoke)) and
+    exits with a clear message when a full run finds no CUDA device."""
+    smoke = bool(args.smoke)
+    pick = 1 if smoke else 0
+    if not smoke and not torch.cuda.is_available():
+        sys.exit("no CUDA device: run with --smoke on a machine without GPUs")
+    available = 2 if smoke else torch.cuda.device_count()
+    counts = gpu_counts(args.gpus, available)
+    chosen_budget = args.time_budget if args.time_budget is not None else budget[pick]
+    started = time.monotonic()
+    return RunSettings(
+        smoke=smoke,
+        warmup=args.warmup if args.warmup is not None else warmup[pick],
+        steps=args.steps if args.steps is not None else steps[pick],
+        budget=chosen_budget,
+        started=started,
+        deadline=started + chosen_budget,
+        multi=[g for g in counts if g > 1],
+        dev0=torch.device("cpu") if smoke else torch.device("cuda", 0),
+    )
+
+
+def write_plain(path: str | os.PathLike[str], bench: str, records: list[dict[str, Any]]) -> Path:
+    """Writes {"machine", "bench", "records"} for scripts whose records are not timing records
+    of the suite (the profiles)."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"machine": machine_info(), "bench": bench, "records": records},
+                              indent=1) + "\n")
+    progress(f"wrote {out}")
+    return out
 
 
 def gpu_counts(arg: str | None, available: int) -> list[int]:

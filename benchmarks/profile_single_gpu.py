@@ -18,7 +18,6 @@ the GPU).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -91,10 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         records.append(rec)
         torch.cuda.empty_cache()
-    out = {"machine": common.machine_info(), "bench": "profile_single_gpu", "records": records}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
-    common.progress(f"wrote {args.out}")
+    common.write_plain(args.out, "profile_single_gpu", records)
     return 0
 
 

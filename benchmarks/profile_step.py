@@ -15,7 +15,6 @@ GPU kernel time per device per step, and the top operators by CPU time.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from collections import defaultdict
@@ -156,10 +155,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         records.append(rec)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    out = {"machine": common.machine_info(), "bench": "profile_step", "records": records}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
-    common.progress(f"wrote {args.out}")
+    common.write_plain(args.out, "profile_step", records)
     return 0
 
 
