@@ -183,6 +183,10 @@ class DataParallel(_TorchDataParallel[T]):
         >>> cpu_net = torchdp.DataParallel(model, devices=[torch.device("cpu")] * 2)
     """
 
+    # Class-level defaults, so that wrappers pickled before these options existed still load.
+    gather_output: bool = True
+    serial_forward: bool = False
+
     def __init__(
         self,
         module: T,
@@ -299,7 +303,7 @@ class DataParallel(_TorchDataParallel[T]):
             inputs,
             kwargs,
             self.device_ids[: len(replicas)],
-            serial=getattr(self, "serial_forward", False),
+            serial=self.serial_forward,
         )
 
     def gather(self, outputs: Any, output_device: int | torch.device) -> Any:

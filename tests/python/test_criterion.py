@@ -117,3 +117,30 @@ def test_criterion_errors_name_the_problem_and_the_fix():
     )
     with pytest.raises(ValueError, match="replica 0 gave \\(2,\\).*reduction='none'"):
         per_sample(dp(x), y)
+
+
+def test_structured_outputs_and_targets():
+    # Outputs as (logits, aux) tuples and the targets as a dict: the criterion sees each replica's
+    # own structures.
+    class TwoHeads(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = nn.Linear(4, 6)
+
+        def forward(self, x):
+            h = self.body(x)
+            return h[:, :3], h[:, 3:]
+
+    net = TwoHeads()
+    dp = torchdp.DataParallel(net, devices=cpu_devices(3), gather_output=False)
+
+    def loss(out, targets):
+        logits, aux = out
+        return nn.functional.cross_entropy(logits, targets["label"]) + (
+            aux - targets["aux"]
+        ).pow(2).mean()
+
+    x = torch.randn(9, 4)
+    targets = {"label": torch.randint(0, 3, (9,)), "aux": torch.randn(9, 3)}
+    got = torchdp.DataParallelCriterion(loss)(dp(x), targets)
+    torch.testing.assert_close(got, loss(net(x), targets))

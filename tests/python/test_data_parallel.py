@@ -464,3 +464,14 @@ def test_device_check_sees_every_parameter_and_buffer():
     assert torchdp._C.all_on_device(scripted, CPU)
     scripted[1].to("meta")
     assert not torchdp._C.all_on_device(scripted, CPU)
+
+
+def test_wrappers_pickled_before_the_new_options_still_run():
+    import pickle
+
+    dp = torchdp.DataParallel(_net(), devices=cpu_devices(2))
+    del dp.__dict__["gather_output"], dp.__dict__["serial_forward"]  # as an older torchdp wrote it
+    restored = pickle.loads(pickle.dumps(dp))
+    assert restored.gather_output and not restored.serial_forward
+    x = torch.randn(4, 4)
+    torch.testing.assert_close(restored(x), restored.module(x))
