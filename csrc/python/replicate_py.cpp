@@ -491,7 +491,7 @@ bool registration_hooks_installed() {
 }
 
 std::vector<py::list> replicate(py::object network, const std::vector<c10::Device>& devices_in,
-                                bool detach) {
+                                bool detach, std::optional<int64_t> grad_bucket_bytes) {
   if (devices_in.empty()) {
     return {};
   }
@@ -545,9 +545,16 @@ std::vector<py::list> replicate(py::object network, const std::vector<c10::Devic
   check_source(rg_buffers, "buffer");
   check_source(plain_buffers, "buffer");
 
+  TORCH_CHECK_VALUE(!grad_bucket_bytes || *grad_bucket_bytes >= 0, kApi,
+                    ": grad_bucket_bytes must be >= 0 (0: one bucket), got ",
+                    grad_bucket_bytes.value_or(0));
   std::vector<std::vector<at::Tensor>> param_copies, rg_copies, plain_copies;
   {
     py::gil_scoped_release no_gil;
+    std::optional<autograd::GradBucketSizeGuard> bucket_size;
+    if (grad_bucket_bytes) {
+      bucket_size.emplace(static_cast<size_t>(*grad_bucket_bytes));
+    }
     auto broadcast = [&](const std::vector<at::Tensor>& group, bool differentiable) {
       if (group.empty()) {
         return std::vector<std::vector<at::Tensor>>(n);
@@ -754,7 +761,7 @@ void init_replicate(py::module_& m) {
   // wrap_pybind_function: c10 errors become the matching Python exceptions (RuntimeError,
   // ValueError, ...) and TORCH_WARN becomes a Python warning, as in torch's own bindings.
   m.def("replicate", torch::wrap_pybind_function(replicate), py::arg("network"), py::arg("devices"),
-        py::arg("detach") = false,
+        py::arg("detach") = false, py::arg("grad_bucket_bytes") = py::none(),
         R"doc(Replicates a Python nn.Module onto `devices` (see csrc/python/API.md).
 
 Returns one list per device with the replica of every module of list(network.modules()), in that
@@ -764,7 +771,9 @@ storage with the original. Modules of classes that keep nn.Module's behaviour ar
 dictionary operations (the same result as PyTorch's Python code, much faster); the others with
 _replicate_for_data_parallel() and setattr. Custom __setattr__ overrides that swallow the assignment
 are repaired (with a one-time UserWarning per class and attribute). The original's tensors are never
-written. Raises RuntimeError for a ScriptModule with Python modules below it.)doc");
+written. Raises RuntimeError for a ScriptModule with Python modules below it. grad_bucket_bytes sets
+the gradient bucket size of the parameters' backward (default: TORCHDP_GRAD_BUCKET_MB, else 25 MiB;
+0: one bucket).)doc");
   m.def(
       "check_replica_devices",
       torch::wrap_pybind_function([](const std::vector<py::list>& copies,

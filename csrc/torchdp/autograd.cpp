@@ -11,6 +11,7 @@
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <cmath>
 #include <cstdlib>
 #include <map>
 #include <mutex>
@@ -83,7 +84,7 @@ at::Tensor grad_or_zeros(const Node& node, const variable_list& grads, size_t i)
 // A differentiable broadcast gives its outputs not one BroadcastBackward node but one per gradient
 // bucket: consecutive tensors taken from the *end* of the list (parameters are registered in
 // forward order, so the last ones get their gradients first in backward), about
-// gradient_bucket_size() bytes each, the first bucket smaller so that reduction starts early. The
+// grad_bucket_size() bytes each, the first bucket smaller so that reduction starts early. The
 // autograd engine runs a bucket's node as soon as every replica's gradient of that bucket exists,
 // so the reduce-add of early buckets overlaps the rest of the backward pass instead of waiting
 // for the whole of it.
@@ -103,18 +104,22 @@ at::Tensor grad_or_zeros(const Node& node, const variable_list& grads, size_t i)
 // for the side stream of the source device, the node's stream). CPU and meta devices use their
 // only stream: the buckets still split the work, in order.
 
-size_t gradient_bucket_size() {
-  // TORCHDP_GRAD_BUCKET_MB: the bucket size in MiB (default 25, as DistributedDataParallel);
-  // 0 puts every tensor in one bucket, reduced after the whole backward pass, on the current
-  // streams.
+thread_local std::optional<size_t> bucket_size_override;
+
+// TORCHDP_GRAD_BUCKET_MB: the bucket size in MiB (default 25, as DistributedDataParallel); 0 puts
+// every tensor in one bucket, reduced after the whole backward pass, on the current streams.
+size_t bucket_size_from_environment() {
   const char* env = std::getenv("TORCHDP_GRAD_BUCKET_MB");
   if (env == nullptr || *env == '\0') {
     return kDefaultGradBucketSize;
   }
   char* end = nullptr;
   const double mib = std::strtod(env, &end);
-  TORCH_CHECK(end != env && *end == '\0' && mib >= 0, "torchdp: TORCHDP_GRAD_BUCKET_MB must be a ",
-              "non-negative number of MiB (0: one bucket, no overlap), got '", env, "'");
+  TORCH_CHECK(
+      end != env && *end == '\0' && mib >= 0 && std::isfinite(mib),
+      "torchdp: TORCHDP_GRAD_BUCKET_MB must be a non-negative number of MiB (0: one bucket, "
+      "no overlap), got '",
+      env, "'");
   return static_cast<size_t>(mib * 1024 * 1024);
 }
 
@@ -382,7 +387,7 @@ std::vector<std::vector<at::Tensor>> broadcast_coalesced(at::TensorList tensors,
     return outputs;
   }
   // One node per gradient bucket (Note [Gradient buckets and reduction streams]).
-  const size_t bucket_size = gradient_bucket_size();
+  const size_t bucket_size = grad_bucket_size();
   std::vector<std::optional<c10::Stream>> side(devices.size()), forward(devices.size());
   if (bucket_size > 0) {
     for (const auto j : c10::irange(devices.size())) {
@@ -509,6 +514,26 @@ at::Tensor gather(at::TensorList inputs_in, c10::Device destination, int64_t dim
   node->set_next_edges(edges_of(inputs_in));
   attach(node, output, true);
   return output;
+}
+
+size_t grad_bucket_size() {
+  return bucket_size_override ? *bucket_size_override : bucket_size_from_environment();
+}
+
+GradBucketSizeGuard::GradBucketSizeGuard(size_t bytes) : previous_(bucket_size_override) {
+  bucket_size_override = bytes;
+}
+
+GradBucketSizeGuard::~GradBucketSizeGuard() {
+  bucket_size_override = previous_;
+}
+
+size_t bucket_bytes_from_mib(double mib, const char* api) {
+  TORCH_CHECK_VALUE(std::isfinite(mib) && mib >= 0, api,
+                    ": bucket_cap_mb must be a non-negative number of MiB (0: one bucket, reduced "
+                    "after the whole backward pass), got ",
+                    mib);
+  return static_cast<size_t>(mib * 1024 * 1024);
 }
 
 } // namespace torchdp::autograd

@@ -28,6 +28,26 @@ namespace torchdp::autograd {
 /// bucket, reduced after the whole backward pass).
 constexpr size_t kDefaultGradBucketSize = 25 * 1024 * 1024;
 
+/// The gradient bucket size that differentiable broadcasts made on this thread use: the innermost
+/// active GradBucketSizeGuard's, else TORCHDP_GRAD_BUCKET_MB, else kDefaultGradBucketSize.
+size_t grad_bucket_size();
+
+/// Sets the gradient bucket size (bytes; 0: one bucket) of differentiable broadcasts made on this
+/// thread while it lives (DataParallelOptions::bucket_cap_mb and Python's bucket_cap_mb use it).
+class GradBucketSizeGuard {
+ public:
+  explicit GradBucketSizeGuard(size_t bytes);
+  ~GradBucketSizeGuard();
+  GradBucketSizeGuard(const GradBucketSizeGuard&) = delete;
+  GradBucketSizeGuard& operator=(const GradBucketSizeGuard&) = delete;
+
+ private:
+  std::optional<size_t> previous_;
+};
+
+/// Bytes of a bucket size given in MiB (as DDP's bucket_cap_mb), checked: finite and >= 0.
+size_t bucket_bytes_from_mib(double mib, const char* api);
+
 /// Differentiable comm::broadcast_coalesced. Outputs for devices[0] share storage and version
 /// counter with the inputs, but are distinct tensors that carry the broadcast's history. The
 /// backward reduce-adds the gradients of all devices in buckets taken from the end of `tensors`,

@@ -28,6 +28,9 @@ void DataParallelImpl::init(std::shared_ptr<torch::nn::Module> module, Wrap wrap
   } else if (cuda_device_count() > 0) {
     device_ids_ = default_devices(kApi);
   }
+  if (options.bucket_cap_mb()) {
+    autograd::bucket_bytes_from_mib(*options.bucket_cap_mb(), kApi); // checked at construction
+  }
   if (options.output_device()) {
     TORCH_CHECK(!device_ids_.empty(), kApi, ": output_device ", *options.output_device(),
                 " was given but no device is in use (no CUDA device is visible and device_ids is "
@@ -89,6 +92,10 @@ std::vector<at::Tensor> DataParallelImpl::run(std::vector<at::Tensor> inputs, co
     n = std::min(n, chunks[k].size());
   }
   const std::vector<c10::Device> used(device_ids_.begin(), device_ids_.begin() + n);
+  std::optional<autograd::GradBucketSizeGuard> bucket_size;
+  if (options.bucket_cap_mb()) {
+    bucket_size.emplace(autograd::bucket_bytes_from_mib(*options.bucket_cap_mb(), kApi));
+  }
   auto replicas = replicator_->replicate(used, /*detach=*/!c10::GradMode::is_enabled());
   std::vector<at::Tensor> outputs(n);
   parallel_run(n, used, [&](size_t i) {

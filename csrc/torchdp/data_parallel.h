@@ -33,6 +33,9 @@ struct DataParallelOptions {
   /// When the module is not on device_ids[0] at a forward, move it there (module->to(device))
   /// instead of raising an error.
   TORCH_ARG(bool, place_module) = false;
+  /// Size in MiB of the gradient buckets reduced while the backward pass runs (as DDP's
+  /// bucket_cap_mb; 0: one bucket, reduced at the end). Default: TORCHDP_GRAD_BUCKET_MB, else 25.
+  TORCH_ARG(std::optional<double>, bucket_cap_mb) = std::nullopt;
 };
 
 /// Data parallelism over the devices of one process, as a module: every forward splits its tensor

@@ -39,7 +39,10 @@ def parallel_apply(
     fns: Sequence[Callable[[], object]], devices: Sequence[torch.device], serial: bool = False
 ) -> list[object]: ...
 def replicate(
-    network: nn.Module, devices: Sequence[torch.device], detach: bool = False
+    network: nn.Module,
+    devices: Sequence[torch.device],
+    detach: bool = False,
+    grad_bucket_bytes: int | None = None,
 ) -> list[list[nn.Module]]: ...
 def all_on_device(module: nn.Module, device: torch.device) -> bool: ...
 def check_replica_devices(

@@ -21,7 +21,7 @@ from torch._utils import (
 
 from torchdp import _C
 from torchdp.parallel_apply import parallel_apply
-from torchdp.replicate import replicate
+from torchdp.replicate import _bucket_bytes, replicate
 from torchdp.scatter_gather import DeviceLike, _to_device, _to_devices, gather, scatter_kwargs
 
 __all__ = ["DataParallel", "data_parallel"]
@@ -172,6 +172,9 @@ class DataParallel(_TorchDataParallel[T]):
             operations, which are bound by the CPU and the GIL. Replicas that wait for each
             other inside the forward (cross-replica BatchNorm synchronisation through queues)
             must keep the default, or they wait forever. Default: ``False``.
+        bucket_cap_mb (float, keyword-only): size in MiB of the gradient buckets reduced while
+            the backward pass runs, as DDP's ``bucket_cap_mb`` (``0``: one bucket, reduced at the
+            end). Default: ``TORCHDP_GRAD_BUCKET_MB``, else 25.
 
     Attributes:
         module (Module): the module to be parallelized.
@@ -186,6 +189,7 @@ class DataParallel(_TorchDataParallel[T]):
     # Class-level defaults, so that wrappers pickled before these options existed still load.
     gather_output: bool = True
     serial_forward: bool = False
+    bucket_cap_mb: float | None = None
 
     def __init__(
         self,
@@ -198,6 +202,7 @@ class DataParallel(_TorchDataParallel[T]):
         place_module: bool = False,
         gather_output: bool = True,
         serial_forward: bool = False,
+        bucket_cap_mb: float | None = None,
     ) -> None:
         # Deliberately not torch.nn.DataParallel.__init__: the base class is only there for
         # isinstance checks.
@@ -207,6 +212,8 @@ class DataParallel(_TorchDataParallel[T]):
         self._placed = False
         self.gather_output = bool(gather_output)
         self.serial_forward = bool(serial_forward)
+        _bucket_bytes(bucket_cap_mb, "torchdp.DataParallel")  # checked now, not at the forward
+        self.bucket_cap_mb = bucket_cap_mb
 
         if devices is not None:
             device_list, self.output_device = _resolve_explicit(
@@ -283,7 +290,10 @@ class DataParallel(_TorchDataParallel[T]):
 
     def replicate(self, module: T, device_ids: Sequence[int | torch.device]) -> list[T]:
         """Replicates :attr:`module` on :attr:`device_ids` (detached under ``torch.no_grad()``)."""
-        return replicate(module, device_ids, not torch.is_grad_enabled())
+        detach = not torch.is_grad_enabled()
+        if self.bucket_cap_mb is None:  # the call PyTorch makes
+            return replicate(module, device_ids, detach)
+        return replicate(module, device_ids, detach, bucket_cap_mb=self.bucket_cap_mb)
 
     def scatter(
         self,

@@ -19,6 +19,8 @@ runs, in order:
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Sequence
 from typing import TypeVar, cast
 
@@ -92,10 +94,29 @@ def _run_replication_callbacks(copies: list[list[nn.Module]]) -> None:
             replica_modules[p].__data_parallel_replicate__(contexts[p], copy_id)
 
 
+def _bucket_bytes(bucket_cap_mb: float | None, api: str) -> int | None:
+    """Bytes of a gradient bucket size given in MiB (None: the default), checked."""
+    if bucket_cap_mb is None:
+        return None
+    if (
+        isinstance(bucket_cap_mb, bool)
+        or not isinstance(bucket_cap_mb, (int, float))
+        or not math.isfinite(bucket_cap_mb)
+        or bucket_cap_mb < 0
+    ):
+        raise ValueError(
+            f"{api}: bucket_cap_mb must be a non-negative number of MiB (0: one bucket, reduced "
+            f"after the whole backward pass), got {bucket_cap_mb!r}"
+        )
+    return int(bucket_cap_mb * 1024 * 1024)
+
+
 def replicate(
     network: T,
     devices: Sequence[DeviceLike],
     detach: bool = False,
+    *,
+    bucket_cap_mb: float | None = None,
 ) -> list[T]:
     r"""Replicates a module on each device, as :func:`torch.nn.parallel.replicate`.
 
@@ -114,6 +135,9 @@ def replicate(
         devices (list of int or torch.device): one device per replica; ints are CUDA indices;
             CPU and meta devices are accepted and may repeat.
         detach (bool, optional): replicate without autograd history. Default: ``False``.
+        bucket_cap_mb (float, keyword-only, optional): size in MiB of the gradient buckets that
+            are reduced while the backward pass runs (as DDP's ``bucket_cap_mb``; ``0``: one
+            bucket, reduced at the end). Default: ``TORCHDP_GRAD_BUCKET_MB``, else 25.
 
     Returns:
         list of Module: the root replica for each device.
@@ -126,7 +150,9 @@ def replicate(
     if not devices:
         return []
     device_list = _to_devices(devices, _API)
-    copies: list[list[nn.Module]] = _C.replicate(network, device_list, bool(detach))
+    copies: list[list[nn.Module]] = _C.replicate(
+        network, device_list, bool(detach), _bucket_bytes(bucket_cap_mb, _API)
+    )
     if _has_hooks():
         _run_post_replicate_hooks(list(network.modules()), copies, device_list, network)
     _run_replication_callbacks(copies)

@@ -569,3 +569,25 @@ TEST_CASE("autograd::broadcast_coalesced rejects a bad TORCHDP_GRAD_BUCKET_MB", 
   TORCHDP_CHECK_THROWS_WITH(torchdp::autograd::broadcast_coalesced({x}, cpu_devices(2)),
                             "TORCHDP_GRAD_BUCKET_MB must be a non-negative", "'-3'");
 }
+
+TEST_CASE("GradBucketSizeGuard overrides the environment on its thread", "[cpu][autograd]") {
+  BucketSizeEnv env("0");
+  CHECK(torchdp::autograd::grad_bucket_size() == 0);
+  {
+    torchdp::autograd::GradBucketSizeGuard guard(100);
+    CHECK(torchdp::autograd::grad_bucket_size() == 100);
+    {
+      torchdp::autograd::GradBucketSizeGuard inner(7);
+      CHECK(torchdp::autograd::grad_bucket_size() == 7);
+    }
+    CHECK(torchdp::autograd::grad_bucket_size() == 100);
+    const auto a = leaf({10});
+    const auto b = leaf({20});
+    const auto out = torchdp::autograd::broadcast_coalesced({a, b}, cpu_devices(2));
+    CHECK(out[0][0].grad_fn() != out[0][1].grad_fn()); // 40 + 80 bytes > 100: two buckets
+  }
+  CHECK(torchdp::autograd::grad_bucket_size() == 0);
+  TORCHDP_CHECK_THROWS_WITH(torchdp::autograd::bucket_bytes_from_mib(-1, "api"), "api",
+                            "bucket_cap_mb must be a non-negative number of MiB");
+  CHECK(torchdp::autograd::bucket_bytes_from_mib(0.5, "api") == 512 * 1024);
+}

@@ -1,5 +1,7 @@
 #include "test_common.h"
 
+#include <set>
+
 using namespace torchdp_test;
 
 namespace {
@@ -346,4 +348,60 @@ TEST_CASE("forward_replicas on one device and parallel_loss errors", "[cpu][data
                                                      return out - t;
                                                    }),
                             api, "must return a 0-dim tensor", "replica 0", "[2, 2]");
+}
+
+TEST_CASE("DataParallelOptions::bucket_cap_mb sets the gradient buckets", "[cpu][data_parallel]") {
+  torch::manual_seed(5);
+  torch::nn::Sequential seq(torch::nn::Linear(4, 4), torch::nn::Tanh(), torch::nn::Linear(4, 2));
+  struct NetImpl : torch::nn::Cloneable<NetImpl> {
+    explicit NetImpl(torch::nn::Sequential s) : seq(std::move(s)) {
+      register_module("seq", seq);
+    }
+    void reset() override {
+      seq = register_module("seq",
+                            std::dynamic_pointer_cast<torch::nn::SequentialImpl>(seq->clone()));
+    }
+    torch::Tensor forward(const torch::Tensor& x) {
+      return seq->forward(x);
+    }
+    torch::nn::Sequential seq;
+  };
+  auto net = std::make_shared<NetImpl>(seq);
+  auto reference = std::make_shared<NetImpl>(
+      torch::nn::Sequential(torch::nn::Linear(4, 4), torch::nn::Tanh(), torch::nn::Linear(4, 2)));
+  copy_state(*reference, *net);
+  // The BroadcastBackward nodes (one per gradient bucket) reachable from an output.
+  const auto buckets = [](const torch::Tensor& out) {
+    std::set<const torch::autograd::Node*> seen, found;
+    std::vector<torch::autograd::Node*> stack{out.grad_fn().get()};
+    while (!stack.empty()) {
+      auto* node = stack.back();
+      stack.pop_back();
+      if (node == nullptr || !seen.insert(node).second) {
+        continue;
+      }
+      if (node->name() == "torchdp::BroadcastBackward") {
+        found.insert(node);
+      }
+      for (const auto& edge : node->next_edges()) {
+        stack.push_back(edge.function.get());
+      }
+    }
+    return found.size();
+  };
+  const auto x = torch::randn({6, 4});
+  torchdp::DataParallel plain(net, on(cpu_devices(2)));
+  CHECK(buckets(plain->forward(x)) == 1);
+  torchdp::DataParallel dp(net, on(cpu_devices(2)).bucket_cap_mb(0.000001));
+  auto out = dp->forward(x);
+  CHECK(buckets(out) == 4); // every parameter in a bucket of its own
+  out.pow(2).sum().backward();
+  reference->forward(x).pow(2).sum().backward();
+  for (size_t k = 0; k < net->parameters().size(); ++k) {
+    CHECK(torch::allclose(net->parameters()[k].grad(), reference->parameters()[k].grad(), 1e-5,
+                          1e-6));
+  }
+  TORCHDP_CHECK_THROWS_WITH(torchdp::DataParallel(net, on(cpu_devices(2)).bucket_cap_mb(-2.0)),
+                            "torchdp::DataParallel",
+                            "bucket_cap_mb must be a non-negative number of MiB");
 }

@@ -146,3 +146,30 @@ def test_bucketed_reduction_on_cuda_side_streams(monkeypatch, mib):
         ref(x).pow(2).mean().backward()
         for p, q in zip(net.parameters(), ref.parameters(), strict=True):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_bucket_cap_mb_option_overrides_the_environment(monkeypatch):
+    monkeypatch.setenv(ENV, "0")
+    net = _mlp()
+    r0, _ = torchdp.replicate(net, cpu_devices(2), bucket_cap_mb=0.01)
+    assert _bucket_sizes(r0) == [3, 4, 5]
+    r0, _ = torchdp.replicate(net, cpu_devices(2))  # the environment again
+    assert _bucket_sizes(r0) == [12]
+    ref = clone_module(net)
+    dp = torchdp.DataParallel(net, devices=cpu_devices(2), bucket_cap_mb=0.000001)
+    assert dp.bucket_cap_mb == 0.000001
+    replicas = dp.replicate(net, dp.device_ids)
+    assert _bucket_sizes(replicas[0]) == [1] * 12
+    x = torch.randn(5, 32)
+    dp(x).pow(2).sum().backward()
+    ref(x).pow(2).sum().backward()
+    for p, q in zip(net.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("bad", [-1, float("nan"), float("inf"), "25", True])
+def test_bad_bucket_cap_mb_is_named(bad):
+    with pytest.raises(ValueError, match="bucket_cap_mb must be a non-negative number of MiB"):
+        torchdp.DataParallel(_mlp(), devices=cpu_devices(2), bucket_cap_mb=bad)
+    with pytest.raises(ValueError, match="torchdp.replicate: bucket_cap_mb"):
+        torchdp.replicate(_mlp(), cpu_devices(2), bucket_cap_mb=bad)
