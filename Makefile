@@ -103,10 +103,12 @@ demo-cpp: build
 
 # The benchmark suite side by side on all GPUs (see benchmarks/run_all.py); results, Markdown table
 # and plots go to benchmarks/results. BENCH_ARGS="--gpus 1,2" or "--only train_step" narrow it.
+# Then the per-phase profile of torchdp's steps (benchmarks/profile_step.py; PROFILE_ARGS="--out F").
 bench: python
 	cmake --build $(BUILD) -j $(JOBS) --target torchdp_bench_cpp
 	PYTHONPATH=$(CURDIR)/python $(PYTHON) benchmarks/run_all.py \
 	  --cpp-bin $(BUILD)/benchmarks/cpp/torchdp_bench_cpp $(BENCH_ARGS)
+	PYTHONPATH=$(CURDIR)/python $(PYTHON) benchmarks/profile_step.py $(PROFILE_ARGS)
 
 clean:
 	rm -rf $(BUILD)

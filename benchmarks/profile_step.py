@@ -8,7 +8,7 @@ of a DataParallel subclass, so the library itself is unchanged. Per model the JS
 median step time (from a separate synchronised timing), the CPU time of each phase per step, the
 GPU kernel time per device per step, and the top operators by CPU time.
 
-    python benchmarks/profile_step.py --out results/<date>-2xH200-profile-step.json   # 2 GPUs, ~1 min
+    python benchmarks/profile_step.py          # all GPUs (2 or more), ~1 min; `make bench` runs it
     python benchmarks/profile_step.py --out /tmp/p.json --smoke                        # CPU, seconds
 """
 
@@ -132,14 +132,30 @@ def profile_model(name: str, smoke: bool, gpus: int, steps: int) -> dict[str, An
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, help="JSON file to write")
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="JSON file to write (default benchmarks/results/<date>-<machine>-profile-step.json)",
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny models on two CPU devices")
-    parser.add_argument("--gpus", type=int, default=2, help="GPU count (default 2)")
+    parser.add_argument("--gpus", type=int, default=None, help="GPU count (default: all visible)")
     parser.add_argument("--steps", type=int, default=3, help="profiled steps (default 3)")
     parser.add_argument("--models", default=None, help=f"comma list of {', '.join(MODELS)}")
     args = parser.parse_args(argv)
-    if not args.smoke and torch.cuda.device_count() < args.gpus:
-        parser.error(f"needs {args.gpus} CUDA devices, {torch.cuda.device_count()} visible")
+    visible = torch.cuda.device_count()
+    if args.smoke:
+        args.gpus = 2
+    elif args.gpus is None:
+        if visible < 2:
+            common.progress(f"profile_step: needs at least 2 GPUs, {visible} visible; skipped")
+            return 0
+        args.gpus = visible
+    elif visible < args.gpus:
+        parser.error(f"needs {args.gpus} CUDA devices, {visible} visible")
+    if args.out is None:
+        info = common.machine_info()
+        stamp = info["date"][:10]
+        args.out = str(_HERE / "results" / f"{stamp}-{common.machine_name(info)}-profile-step.json")
     records = []
     for name in parse_list(args.models, MODELS, "model"):
         common.progress(f"profiling {name} (torchdp.DataParallel, {args.gpus} devices)")
