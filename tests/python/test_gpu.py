@@ -298,3 +298,31 @@ def test_each_replica_runs_with_its_gpu_current(serial):
     out, where = dp(torch.randn(4, 3))
     assert where.tolist() == [0, 0, 1, 1]
     assert out.device == torch.device("cuda", 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Bucketed gradient reduction on two GPUs: several buckets in flight on the side streams (NCCL or
+# peer copies), over several optimizer steps, against the same training on one GPU.
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bucket_cap_mb", [0, 1, 25])
+def test_bucketed_training_matches_one_gpu(bucket_cap_mb):
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(6):
+        layers += [nn.Linear(512, 512), nn.GELU()]  # ~1 MiB per layer: several buckets
+    net = nn.Sequential(*layers, nn.Linear(512, 10)).cuda(0)
+    ref = clone_module(net)
+    dp = torchdp.DataParallel(net, device_ids=[0, 1], bucket_cap_mb=bucket_cap_mb)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    for step in range(4):
+        x = torch.randn(64, 512, device="cuda:0")
+        y = torch.randint(0, 10, (64,), device="cuda:0")
+        for model, optimizer in ((dp, opt), (ref, ref_opt)):
+            optimizer.zero_grad(set_to_none=True)
+            nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+        for p, q in zip(net.parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=f"step {step}")
