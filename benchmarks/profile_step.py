@@ -130,6 +130,25 @@ def profile_model(name: str, smoke: bool, gpus: int, steps: int) -> dict[str, An
     }
 
 
+def markdown(records: list[dict[str, Any]]) -> str:
+    """The records as a Markdown table: step time, CPU ms per phase, GPU kernel ms per device."""
+    short = [p.removeprefix("DataParallel.") for p in PHASES]
+    lines = [
+        "# torchdp.DataParallel step profile",
+        "",
+        "CPU ms per step spent in each phase (profiler ranges, wall time on the calling thread; the "
+        "backward's device threads run in parallel with it) and GPU kernel ms per step per device.",
+        "",
+        "| model | devices | step ms | " + " | ".join(short) + " | GPU kernel ms |",
+        "|---|---|---|" + "---|" * len(short) + "---|",
+    ]
+    for r in records:
+        phases = " | ".join(f"{r['phase_cpu_ms_per_step'][p]:.2f}" for p in PHASES)
+        gpu = ", ".join(f"{d} {v}" for d, v in r["gpu_kernel_ms_per_step"].items()) or "—"
+        lines.append(f"| {r['model']} | {r['gpus']} | {r['step_ms_median']} | {phases} | {gpu} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -171,7 +190,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         records.append(rec)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    common.write_plain(args.out, "profile_step", records)
+    out = common.write_plain(args.out, "profile_step", records)
+    md = out.with_suffix(".md")
+    md.write_text(markdown(records))
+    common.progress(f"wrote {md}")
     return 0
 
 

@@ -69,3 +69,5 @@ def test_profile_step_smoke_records_every_phase(tmp_path):
     assert set(phases) >= {"DataParallel.replicate", "DataParallel.parallel_apply", "backward"}
     assert all(v > 0 for v in phases.values()), phases
     assert rec["top_ops_self_cpu_ms_per_step"]
+    table = out.with_suffix(".md").read_text()
+    assert "| mlp200 | 2 |" in table and "parallel_apply" in table
