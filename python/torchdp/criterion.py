@@ -171,13 +171,13 @@ class DataParallelCriterion(nn.Module):
                     f"scalar tensor per replica, but replica {i} gave {shape}; use "
                     "reduction='none' for per-sample losses"
                 )
-        moved = torch.stack([loss.to(destination) for loss in losses])
+        moved = [loss.to(destination) for loss in losses]
         if self.reduction == "sum":
-            return moved.sum()
+            return torch.stack(moved).sum()
         counts = [_batch_size(tgt, out, self.dim) for tgt, out in zip(split_targets, outputs)]
         total = float(sum(counts))
-        weights = torch.tensor([c / total for c in counts], dtype=moved.dtype, device=destination)
-        return (moved * weights).sum()
+        # Python-scalar weights: no host-to-device copy, which would wait for the GPU every step.
+        return torch.stack([loss * (c / total) for loss, c in zip(moved, counts)]).sum()
 
 
 def _batch_size(targets: tuple[Any, ...], output: Any, dim: int) -> int:
