@@ -202,13 +202,13 @@ struct BroadcastJoin : Node {
 struct BroadcastBackward : Node {
   BroadcastBackward(c10::Device source, std::vector<c10::Device> devices, size_t num_inputs,
                     size_t buffer_size, std::vector<std::optional<c10::Stream>> side_streams,
-                    std::vector<std::optional<c10::Stream>> forward_streams)
+                    std::optional<c10::Stream> consumer_stream)
       : source_(source),
         devices_(std::move(devices)),
         num_inputs_(num_inputs),
         buffer_size_(buffer_size),
         side_streams_(std::move(side_streams)),
-        forward_streams_(std::move(forward_streams)) {}
+        consumer_stream_(consumer_stream) {}
 
   std::string name() const override {
     return "torchdp::BroadcastBackward";
@@ -249,8 +249,8 @@ struct BroadcastBackward : Node {
     auto sums = reduce_add_coalesced(per_device, source_, buffer_size_);
     const void* recorded = nullptr; // consecutive sums are views of one flat buffer
     for (const auto i : c10::irange(wanted.size())) {
-      if (forward_streams_[0] && sums[i].has_storage() && sums[i].storage().data() != recorded) {
-        record_on(sums[i], *forward_streams_[0]);
+      if (consumer_stream_ && sums[i].has_storage() && sums[i].storage().data() != recorded) {
+        record_on(sums[i], *consumer_stream_);
         recorded = sums[i].storage().data();
       }
       result[wanted[i]] = std::move(sums[i]);
@@ -263,7 +263,8 @@ struct BroadcastBackward : Node {
   size_t num_inputs_;
   size_t buffer_size_;
   std::vector<std::optional<c10::Stream>> side_streams_;    // per device; empty: current stream
-  std::vector<std::optional<c10::Stream>> forward_streams_; // per device, when side_streams_ is set
+  // The source device's stream in the forward, where the sums are consumed (with side streams).
+  std::optional<c10::Stream> consumer_stream_;
 };
 
 struct ReduceAddBackward : Node {
@@ -388,17 +389,17 @@ std::vector<std::vector<at::Tensor>> broadcast_coalesced(at::TensorList tensors,
   }
   // One node per gradient bucket (Note [Gradient buckets and reduction streams]).
   const size_t bucket_size = grad_bucket_size();
-  std::vector<std::optional<c10::Stream>> side(devices.size()), forward(devices.size());
+  const auto source = detail::canonical(tensors[0].device());
+  std::vector<std::optional<c10::Stream>> side(devices.size());
+  std::optional<c10::Stream> consumer;
   if (bucket_size > 0) {
     for (const auto j : c10::irange(devices.size())) {
       side[j] = reduction_stream(devices[j]);
-      if (side[j]) {
-        c10::impl::VirtualGuardImpl impl(devices[j].type());
-        forward[j] = impl.getStream(devices[j]);
-      }
+    }
+    if (side[0]) {
+      consumer = c10::impl::VirtualGuardImpl(source.type()).getStream(source);
     }
   }
-  const auto source = detail::canonical(tensors[0].device());
   auto join = make_node<BroadcastJoin>();
   join->set_next_edges(edges_of(tensors));
   for (const auto& t : tensors) {
@@ -406,7 +407,7 @@ std::vector<std::vector<at::Tensor>> broadcast_coalesced(at::TensorList tensors,
   }
   for (const auto& bucket : gradient_buckets(tensors, bucket_size)) {
     auto node =
-        make_node<BroadcastBackward>(source, devices, bucket.size(), buffer_size, side, forward);
+        make_node<BroadcastBackward>(source, devices, bucket.size(), buffer_size, side, consumer);
     torch::autograd::edge_list to_join;
     to_join.reserve(bucket.size());
     for (auto k : bucket) {

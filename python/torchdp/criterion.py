@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchdp.parallel_apply import get_a_var
 from torchdp.replicate import replicate
 from torchdp.scatter_gather import DeviceLike, _to_device, gather, scatter_kwargs
 
@@ -24,19 +25,6 @@ __all__ = ["DataParallelCriterion"]
 
 _API = "torchdp.DataParallelCriterion"
 _REDUCTIONS = ("mean", "sum", "none")
-
-
-def _first_tensor(obj: Any) -> torch.Tensor | None:
-    if isinstance(obj, torch.Tensor):
-        return obj
-    if isinstance(obj, dict):
-        obj = list(obj.values())
-    if isinstance(obj, (list, tuple)):
-        for item in obj:
-            found = _first_tensor(item)
-            if found is not None:
-                return found
-    return None
 
 
 class DataParallelCriterion(nn.Module):
@@ -128,7 +116,7 @@ class DataParallelCriterion(nn.Module):
             raise ValueError(f"{_API}: got no outputs (an empty list)")
         devices: list[torch.device] = []
         for i, out in enumerate(outputs):
-            t = _first_tensor(out)
+            t = get_a_var(out)
             if t is None:
                 raise TypeError(
                     f"{_API}: output {i} holds no tensor ({type(out).__qualname__}); each "
@@ -182,8 +170,8 @@ class DataParallelCriterion(nn.Module):
 
 def _batch_size(targets: tuple[Any, ...], output: Any, dim: int) -> int:
     """The number of samples of one chunk: from its first target tensor, else its output."""
-    t = _first_tensor(targets) if targets else None
+    t = get_a_var(targets) if targets else None
     if t is None:
-        t = _first_tensor(output)
+        t = get_a_var(output)
     assert t is not None
     return int(t.shape[dim]) if t.dim() > 0 else 1

@@ -336,3 +336,11 @@ def masked_linear_class(name: str) -> type[nn.Module]:
     )
     cls.__qualname__ = name
     return cls
+
+
+def gradient_penalty(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A loss that needs double backward: the squared input gradient plus the squared output."""
+    x = x.clone().requires_grad_()
+    out = module(x)
+    (g,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+    return g.pow(2).sum() + out.pow(2).mean()

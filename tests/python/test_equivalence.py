@@ -16,6 +16,7 @@ from dp_testing import (
     clone_module,
     cpu_devices,
     cuda_devices,
+    gradient_penalty,
     module_to,
     run_and_grad,
     tensors_of,
@@ -134,15 +135,9 @@ def test_double_backward_gradient_penalty(n):
     ref = clone_module(net)
     dp = torchdp.DataParallel(net, devices=cpu_devices(n))
 
-    def penalty(module, x):
-        x = x.clone().requires_grad_()
-        out = module(x)
-        (g,) = torch.autograd.grad(out.sum(), x, create_graph=True)
-        return g.pow(2).sum() + out.pow(2).mean()
-
     x = torch.randn(9, 6)
-    penalty(ref, x).backward()
-    penalty(dp, x).backward()
+    gradient_penalty(ref, x).backward()
+    gradient_penalty(dp, x).backward()
     for (name, p), q in zip(net.named_parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dp_testing import clone_module, cpu_devices
+from dp_testing import clone_module, cpu_devices, gradient_penalty
 from torch import nn
 
 import torchdp
@@ -90,15 +90,9 @@ def test_bucketed_double_backward(monkeypatch):
     ref = clone_module(net)
     dp = torchdp.DataParallel(net, devices=cpu_devices(2))
 
-    def penalty(module, x):
-        x = x.clone().requires_grad_()
-        out = module(x)
-        (g,) = torch.autograd.grad(out.sum(), x, create_graph=True)
-        return g.pow(2).sum() + out.pow(2).mean()
-
     x = torch.randn(6, 8)
-    penalty(ref, x).backward()
-    penalty(dp, x).backward()
+    gradient_penalty(ref, x).backward()
+    gradient_penalty(dp, x).backward()
     for p, q in zip(net.parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
 
