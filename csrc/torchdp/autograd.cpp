@@ -262,7 +262,7 @@ struct BroadcastBackward : Node {
   std::vector<c10::Device> devices_;
   size_t num_inputs_;
   size_t buffer_size_;
-  std::vector<std::optional<c10::Stream>> side_streams_;    // per device; empty: current stream
+  std::vector<std::optional<c10::Stream>> side_streams_; // per device; empty: current stream
   // The source device's stream in the forward, where the sums are consumed (with side streams).
   std::optional<c10::Stream> consumer_stream_;
 };
