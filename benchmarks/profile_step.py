@@ -6,9 +6,18 @@ The phases of a step are marked with ``record_function`` (``DataParallel.replica
 ``.parallel_apply``, ``.gather``, ``loss``, ``backward``, ``optimizer``) through overridden methods
 of a DataParallel subclass, so the library itself is unchanged. Per model the JSON record holds the
 median step time (from a separate synchronised timing), the CPU time of each phase per step, the
-GPU kernel time per device per step, and the top operators by CPU time.
+GPU kernel time per device per step, and the top operators by CPU time. Without the profiler,
+the same steps are also timed phase by phase with the wall clock of the calling thread (no
+synchronisation inside a step, so a phase's time is the CPU time it takes to issue its work),
+next to the same phases of the plain model on one GPU with the full batch.
+
+``--device-ids 0,0`` puts two replicas on one GPU: the GPU time is then shared, and both
+replicas' backward runs on that device's one autograd thread, but replication, scatter, the two
+forwards under one GIL and gather cost the CPU what they cost on two GPUs, so those phases of a
+CPU-bound model can be studied on a one-GPU machine.
 
     python benchmarks/profile_step.py          # all GPUs (2 or more), ~1 min; `make bench` runs it
+    python benchmarks/profile_step.py --device-ids 0,0 --models mlp200        # one GPU, 2 replicas
     python benchmarks/profile_step.py --out /tmp/p.json --smoke                        # CPU, seconds
 """
 
@@ -17,6 +26,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
@@ -52,29 +62,119 @@ PHASES = (
 )
 
 
+class PhaseClock:
+    """Wall-clock milliseconds per phase, summed over a step (`on` switches it on)."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.step: dict[str, float] = defaultdict(float)
+        self.steps: list[dict[str, float]] = []
+
+    def phase(self, name: str):
+        clock = self
+
+        class _Phase:
+            def __enter__(self):
+                self.start = time.perf_counter()
+                self.range = record_function(name)
+                self.range.__enter__()
+
+            def __exit__(self, *exc):
+                self.range.__exit__(*exc)
+                if clock.on:
+                    clock.step[name] += (time.perf_counter() - self.start) * 1e3
+
+        return _Phase()
+
+    def end_step(self) -> None:
+        if self.on:
+            self.steps.append(dict(self.step))
+        self.step = defaultdict(float)
+
+    def medians(self, names: Sequence[str]) -> dict[str, float]:
+        return {
+            n: round(statistics.median(s.get(n, 0.0) for s in self.steps), 3) if self.steps else 0.0
+            for n in names
+        }
+
+
 class MarkedDataParallel(torchdp.DataParallel):
-    """torchdp.DataParallel with a profiler range around each overridable phase."""
+    """torchdp.DataParallel with a profiler range and a wall clock around each overridable phase."""
+
+    clock = PhaseClock()
 
     def replicate(self, module, device_ids):
-        with record_function("DataParallel.replicate"):
+        with self.clock.phase("DataParallel.replicate"):
             return super().replicate(module, device_ids)
 
     def scatter(self, inputs, kwargs, device_ids):
-        with record_function("DataParallel.scatter"):
+        with self.clock.phase("DataParallel.scatter"):
             return super().scatter(inputs, kwargs, device_ids)
 
     def parallel_apply(self, replicas, inputs, kwargs):
-        with record_function("DataParallel.parallel_apply"):
+        with self.clock.phase("DataParallel.parallel_apply"):
             return super().parallel_apply(replicas, inputs, kwargs)
 
     def gather(self, outputs, output_device):
-        with record_function("DataParallel.gather"):
+        with self.clock.phase("DataParallel.gather"):
             return super().gather(outputs, output_device)
 
 
-def profile_model(name: str, smoke: bool, gpus: int, steps: int) -> dict[str, Any]:
-    devices = mode_devices(smoke, gpus)
+def timed_steps(step, clock: PhaseClock, devices, steps: int) -> list[float]:
+    """Synchronised step times (ms) with the phase clock on; warm-up steps first."""
+    for _ in range(3):
+        step()
+        clock.end_step()
+    common.synchronize(devices)
+    clock.on = True
+    times = []
+    for _ in range(max(steps, 10)):
+        start = time.perf_counter()
+        step()
+        common.synchronize(devices)
+        times.append((time.perf_counter() - start) * 1e3)
+        clock.end_step()
+    clock.on = False
+    return times
+
+
+def single_gpu_phases(name: str, smoke: bool, dev0: torch.device, steps: int) -> dict[str, Any]:
+    """The plain model on devices[0] with the full batch: step time and wall ms per phase."""
+    model = build_model(name, smoke)
+    disable_dropout(model)
+    model = model.to(dev0)
+    x, target = make_inputs(name, smoke)
+    x = x.to(dev0)
+    target = target.to(dev0) if target is not None else None
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    clock = PhaseClock()
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        with clock.phase("forward"):
+            out = model(x)
+        with clock.phase("loss"):
+            loss = compute_loss(name, out, target)
+        with clock.phase("backward"):
+            loss.backward()
+        with clock.phase("optimizer"):
+            opt.step()
+
+    times = timed_steps(step, clock, [dev0], steps)
+    return {
+        "step_ms_median": round(statistics.median(times), 2),
+        "phase_wall_ms_per_step": clock.medians(("forward", "loss", "backward", "optimizer")),
+    }
+
+
+def profile_model(
+    name: str, smoke: bool, gpus: int, steps: int, device_ids: list[int] | None = None
+) -> dict[str, Any]:
+    devices = (
+        [torch.device("cuda", i) for i in device_ids] if device_ids else mode_devices(smoke, gpus)
+    )
     dev0 = devices[0]
+    clock = MarkedDataParallel.clock = PhaseClock()
     model = build_model(name, smoke)
     disable_dropout(model)
     model = model.to(dev0)
@@ -84,21 +184,23 @@ def profile_model(name: str, smoke: bool, gpus: int, steps: int) -> dict[str, An
     dp = (
         MarkedDataParallel(model, devices=devices)
         if smoke
-        else MarkedDataParallel(model, device_ids=list(range(gpus)))
+        else MarkedDataParallel(model, device_ids=[d.index for d in devices])
     )
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)
-        out = dp(x)
-        with record_function("loss"):
+        with clock.phase("forward"):
+            out = dp(x)
+        with clock.phase("loss"):
             loss = compute_loss(name, out, target)
-        with record_function("backward"):
+        with clock.phase("backward"):
             loss.backward()
-        with record_function("optimizer"):
+        with clock.phase("optimizer"):
             opt.step()
 
-    times = common.time_steps(step, devices, warmup=3, steps=steps)
+    times = timed_steps(step, clock, devices, steps)
+    wall = clock.medians(("forward", *PHASES))
     activities = [ProfilerActivity.CPU]
     if dev0.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
@@ -120,6 +222,8 @@ def profile_model(name: str, smoke: bool, gpus: int, steps: int) -> dict[str, An
         "gpus": len(devices),
         "devices": [str(d) for d in devices],
         "step_ms_median": round(statistics.median(times), 2),
+        "phase_wall_ms_per_step": wall,
+        "single_device": single_gpu_phases(name, smoke, dev0, steps),
         "phase_cpu_ms_per_step": {p: round(phases[p] / steps / 1e3, 3) for p in PHASES},
         "gpu_kernel_ms_per_step": {
             f"cuda:{i}": round(us / steps / 1e3, 2) for i, us in sorted(gpu_us.items())
@@ -145,7 +249,31 @@ def markdown(records: list[dict[str, Any]]) -> str:
     for r in records:
         phases = " | ".join(f"{r['phase_cpu_ms_per_step'][p]:.2f}" for p in PHASES)
         gpu = ", ".join(f"{d} {v}" for d, v in r["gpu_kernel_ms_per_step"].items()) or "—"
-        lines.append(f"| {r['model']} | {r['gpus']} | {r['step_ms_median']} | {phases} | {gpu} |")
+        devices = ", ".join(r["devices"])
+        lines.append(f"| {r['model']} | {devices} | {r['step_ms_median']} | {phases} | {gpu} |")
+    wall_names = ("forward", *PHASES)
+    lines += [
+        "",
+        "Wall-clock ms per step of each phase on the calling thread, without the profiler (median "
+        "of the timed steps; `forward` is the whole DataParallel call, which contains replicate to "
+        "gather). Next to it, the plain model on the first device with the full batch.",
+        "",
+        "| model | devices | step ms | "
+        + " | ".join(p.removeprefix("DataParallel.") for p in wall_names)
+        + " | one device: step ms | forward | loss | backward | optimizer |",
+        "|---|---|---|" + "---|" * len(wall_names) + "---|---|---|---|---|",
+    ]
+    for r in records:
+        wall = " | ".join(f"{r['phase_wall_ms_per_step'][p]:.2f}" for p in wall_names)
+        one = r["single_device"]
+        one_phases = " | ".join(
+            f"{one['phase_wall_ms_per_step'][p]:.2f}"
+            for p in ("forward", "loss", "backward", "optimizer")
+        )
+        lines.append(
+            f"| {r['model']} | {', '.join(r['devices'])} | {r['step_ms_median']} | {wall} | "
+            f"{one['step_ms_median']} | {one_phases} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -158,11 +286,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--smoke", action="store_true", help="tiny models on two CPU devices")
     parser.add_argument("--gpus", type=int, default=None, help="GPU count (default: all visible)")
+    parser.add_argument(
+        "--device-ids",
+        default=None,
+        help="comma list of CUDA device indices, repeats allowed (0,0: two replicas on one GPU)",
+    )
     parser.add_argument("--steps", type=int, default=3, help="profiled steps (default 3)")
     parser.add_argument("--models", default=None, help=f"comma list of {', '.join(MODELS)}")
     args = parser.parse_args(argv)
     visible = torch.cuda.device_count()
-    if args.smoke:
+    device_ids = None
+    if args.device_ids is not None:
+        if args.smoke or args.gpus is not None:
+            parser.error("--device-ids replaces --gpus and --smoke")
+        try:
+            device_ids = [int(i) for i in args.device_ids.split(",")]
+        except ValueError:
+            parser.error(f"--device-ids takes comma-separated integers, got {args.device_ids!r}")
+        bad = [i for i in device_ids if not 0 <= i < visible]
+        if bad or len(device_ids) < 2:
+            parser.error(
+                f"--device-ids needs at least 2 entries among the {visible} visible CUDA devices "
+                f"(0..{visible - 1}), got {args.device_ids!r}"
+            )
+        args.gpus = len(device_ids)
+    elif args.smoke:
         args.gpus = 2
     elif args.gpus is None:
         if visible < 2:
@@ -177,15 +325,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.out = str(_HERE / "results" / f"{stamp}-{common.machine_name(info)}-profile-step.json")
     records = []
     for name in parse_list(args.models, MODELS, "model"):
-        common.progress(f"profiling {name} (torchdp.DataParallel, {args.gpus} devices)")
-        rec = profile_model(name, args.smoke, args.gpus, args.steps)
+        where = f"device ids {device_ids}" if device_ids else f"{args.gpus} devices"
+        common.progress(f"profiling {name} (torchdp.DataParallel, {where})")
+        rec = profile_model(name, args.smoke, args.gpus, args.steps, device_ids)
         phases = ", ".join(
             f"{p.removeprefix('DataParallel.')} {v:.2f}"
             for p, v in rec["phase_cpu_ms_per_step"].items()
         )
         common.progress(
             f"{name}: step {rec['step_ms_median']} ms; CPU ms per step: {phases}; GPU kernel ms "
-            f"per step: {rec['gpu_kernel_ms_per_step']}"
+            f"per step: {rec['gpu_kernel_ms_per_step']}; wall ms per step: "
+            f"{rec['phase_wall_ms_per_step']}; one device: {rec['single_device']}"
         )
         records.append(rec)
         if torch.cuda.is_available():

@@ -69,5 +69,31 @@ def test_profile_step_smoke_records_every_phase(tmp_path):
     assert set(phases) >= {"DataParallel.replicate", "DataParallel.parallel_apply", "backward"}
     assert all(v > 0 for v in phases.values()), phases
     assert rec["top_ops_self_cpu_ms_per_step"]
+    wall = rec["phase_wall_ms_per_step"]
+    assert set(wall) == {"forward", *phases}
+    assert all(v > 0 for v in wall.values()), wall
+    # The DataParallel call contains replicate .. gather.
+    inner = sum(wall[p] for p in ("DataParallel.replicate", "DataParallel.scatter",
+                                  "DataParallel.parallel_apply", "DataParallel.gather"))
+    assert wall["forward"] >= inner
+    one = rec["single_device"]
+    assert one["step_ms_median"] > 0
+    assert set(one["phase_wall_ms_per_step"]) == {"forward", "loss", "backward", "optimizer"}
+    assert all(v > 0 for v in one["phase_wall_ms_per_step"].values())
     table = out.with_suffix(".md").read_text()
-    assert "| mlp200 | 2 |" in table and "parallel_apply" in table
+    assert "| mlp200 | cpu, cpu |" in table and "parallel_apply" in table
+    assert "one device: step ms" in table
+
+
+def test_profile_step_rejects_bad_device_ids():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "python"), env.get("PYTHONPATH", "")])
+    script = str(REPO / "benchmarks" / "profile_step.py")
+    for ids, expected in [("0,x", "comma-separated integers"), ("99,99", "--device-ids needs")]:
+        proc = subprocess.run([sys.executable, script, "--device-ids", ids], env=env,
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        assert expected in proc.stderr, proc.stderr
+    proc = subprocess.run([sys.executable, script, "--device-ids", "0,0", "--smoke"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "replaces --gpus and --smoke" in proc.stderr
