@@ -3,6 +3,7 @@
 
 #include <ATen/Functions.h>
 #include <ATen/WrapDimUtils.h>
+#include <c10/core/Event.h>
 #include <c10/core/GradMode.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
@@ -95,14 +96,19 @@ at::Tensor grad_or_zeros(const Node& node, const variable_list& grads, size_t i)
 // reduction.
 //
 // On CUDA devices the reduction runs on a side stream per device (one pool stream each, kept for
-// the process). The node's input slots of device j are registered while that side stream is
-// current, so the engine makes the side stream wait for each gradient right where it was produced
-// (an event on the producing stream), not later. Inside the node: the incoming gradients are
-// recorded on the side streams (the caching allocator must not recycle them while the side stream
-// still reads them), the reduction runs with the side streams current, and the sums are recorded
-// on the streams the forward ran on, where the gradients are consumed (the engine makes those wait
-// for the side stream of the source device, the node's stream). CPU and meta devices use their
-// only stream: the buckets still split the work, in order.
+// the process). The node's input slots are registered while the side streams are current, so the
+// node's own stream (the engine's name for the stream of its first slot) is the side stream of
+// the source device, and before running the node the engine makes that stream wait for every
+// incoming gradient, wherever it was produced (an event on the producing stream, on any device).
+// The engine synchronises no other stream of the node: inside the node an event recorded on the
+// source device's side stream -- after the engine's waits, so it covers every gradient -- is
+// waited for by the side streams of the other devices, which also wait for their device's current
+// stream (where the gradients are produced when the engine assumes, as older releases do, that a
+// node syncs with the producing device itself). Then the incoming gradients are recorded on the
+// side streams (the caching allocator must not recycle them while a side stream still reads
+// them), the reduction runs with the side streams current, and the sums are recorded on the
+// stream the forward ran on, where they are consumed (the engine makes it wait for the node's
+// stream). CPU and meta devices use their only stream: the buckets still split the work, in order.
 
 thread_local std::optional<size_t> bucket_size_override;
 
@@ -228,7 +234,9 @@ struct BroadcastBackward : Node {
     if (wanted.empty()) {
       return result;
     }
-    // Every device's reduction stream current (Note [Gradient buckets and reduction streams]).
+    // Every device's reduction stream current, after waiting for the gradients of its device
+    // (Note [Gradient buckets and reduction streams]).
+    order_side_streams();
     std::vector<c10::Stream> side;
     for (const auto& stream : side_streams_) {
       if (stream) {
@@ -256,6 +264,30 @@ struct BroadcastBackward : Node {
       result[wanted[i]] = std::move(sums[i]);
     }
     return result;
+  }
+
+  // Makes the side stream of every device other than the source wait for the gradients of its
+  // device: the engine only made the node's stream (the source's side stream, current now) wait.
+  void order_side_streams() const {
+    std::optional<c10::Event> all_ready;
+    for (const auto j : c10::irange(devices_.size())) {
+      const auto& stream = side_streams_[j];
+      if (!stream || stream->device() == source_) {
+        continue;
+      }
+      c10::impl::VirtualGuardImpl impl(stream->device_type());
+      if (!all_ready) {
+        all_ready.emplace(source_.type());
+        all_ready->record(impl.getStream(source_));
+      }
+      stream->wait(*all_ready);
+      const auto producing = impl.getStream(stream->device());
+      if (producing != *stream) {
+        c10::Event produced(stream->device_type());
+        produced.record(producing);
+        stream->wait(produced);
+      }
+    }
   }
 
   c10::Device source_;
