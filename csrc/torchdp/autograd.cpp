@@ -96,19 +96,26 @@ at::Tensor grad_or_zeros(const Node& node, const variable_list& grads, size_t i)
 // reduction.
 //
 // On CUDA devices the reduction runs on a side stream per device (one pool stream each, kept for
-// the process). The node's input slots are registered while the side streams are current, so the
-// node's own stream (the engine's name for the stream of its first slot) is the side stream of
-// the source device, and before running the node the engine makes that stream wait for every
-// incoming gradient, wherever it was produced (an event on the producing stream, on any device).
-// The engine synchronises no other stream of the node: inside the node an event recorded on the
-// source device's side stream -- after the engine's waits, so it covers every gradient -- is
-// waited for by the side streams of the other devices, which also wait for their device's current
-// stream (where the gradients are produced when the engine assumes, as older releases do, that a
-// node syncs with the producing device itself). Then the incoming gradients are recorded on the
-// side streams (the caching allocator must not recycle them while a side stream still reads
-// them), the reduction runs with the side streams current, and the sums are recorded on the
-// stream the forward ran on, where they are consumed (the engine makes it wait for the node's
-// stream). CPU and meta devices use their only stream: the buckets still split the work, in order.
+// the process), so that the backward pass goes on on the streams the forward ran on. The node's
+// input slots are registered on those forward streams, where the gradients are produced: the
+// engine then needs no event per gradient of the source device (a slot on another stream costs an
+// event record, a wait and a record_stream for every gradient), and the node's own stream (the
+// engine's name for the stream of its first slot) is the source device's forward stream, which
+// the engine makes wait for every gradient produced elsewhere (other devices, other streams)
+// before running the node. The engine synchronises nothing else, so inside the node:
+//   * an event recorded on the node's stream -- after the engine's waits, so it covers every
+//     gradient -- is waited for by every device's side stream; the side streams of the other
+//     devices also wait for their device's current stream (where older releases assume a node
+//     syncs with the producing device itself);
+//   * the incoming gradients are recorded on the side streams (the caching allocator must not
+//     recycle them while a side stream still reads them), the reduction runs with the side
+//     streams current, and the sums are recorded on the source device's forward stream;
+//   * the sums go to the BroadcastJoin node, which the engine believes were produced on the
+//     forward stream: before passing them on, the join makes that stream wait for the source
+//     device's side stream (every bucket node ran before the join, so this covers them all). The
+//     forward streams never wait for a reduction before the join: the reductions overlap the rest
+//     of the backward pass.
+// CPU and meta devices use their only stream: the buckets still split the work, in order.
 
 thread_local std::optional<size_t> bucket_size_override;
 
@@ -188,11 +195,24 @@ std::vector<std::vector<size_t>> gradient_buckets(at::TensorList tensors, size_t
 // empty and get zeros here, as a single reduction would give them (a parameter that needs a
 // gradient gets zeros when unused, as with torch.nn.DataParallel's Broadcast).
 struct BroadcastJoin : Node {
+  BroadcastJoin(c10::Device source, std::optional<c10::Stream> source_side_stream)
+      : source_(source), source_side_stream_(source_side_stream) {}
+
   std::string name() const override {
     return "torchdp::BroadcastBackwardJoin";
   }
 
   variable_list apply(variable_list&& grads) override {
+    if (source_side_stream_) {
+      // The sums were made on the side stream (Note [Gradient buckets and reduction streams]).
+      c10::impl::VirtualGuardImpl impl(source_.type());
+      const auto current = impl.getStream(source_);
+      if (current != *source_side_stream_) {
+        c10::Event reduced(source_.type());
+        reduced.record(*source_side_stream_);
+        current.wait(reduced);
+      }
+    }
     variable_list result(grads.size());
     for (const auto k : c10::irange(grads.size())) {
       if (should_compute_output(k)) {
@@ -201,6 +221,9 @@ struct BroadcastJoin : Node {
     }
     return result;
   }
+
+  c10::Device source_;
+  std::optional<c10::Stream> source_side_stream_;
 };
 
 // The reduce-add of one gradient bucket: slots j * num_inputs + k for tensor k of the bucket on
@@ -266,13 +289,13 @@ struct BroadcastBackward : Node {
     return result;
   }
 
-  // Makes the side stream of every device other than the source wait for the gradients of its
-  // device: the engine only made the node's stream (the source's side stream, current now) wait.
+  // Makes every side stream wait for the gradients of the bucket: the engine only made the
+  // node's stream (the source's forward stream, current now) wait for them.
   void order_side_streams() const {
     std::optional<c10::Event> all_ready;
     for (const auto j : c10::irange(devices_.size())) {
       const auto& stream = side_streams_[j];
-      if (!stream || stream->device() == source_) {
+      if (!stream) {
         continue;
       }
       c10::impl::VirtualGuardImpl impl(stream->device_type());
@@ -281,6 +304,9 @@ struct BroadcastBackward : Node {
         all_ready->record(impl.getStream(source_));
       }
       stream->wait(*all_ready);
+      if (stream->device() == source_) {
+        continue;
+      }
       const auto producing = impl.getStream(stream->device());
       if (producing != *stream) {
         c10::Event produced(stream->device_type());
@@ -432,7 +458,7 @@ std::vector<std::vector<at::Tensor>> broadcast_coalesced(at::TensorList tensors,
       consumer = c10::impl::VirtualGuardImpl(source.type()).getStream(source);
     }
   }
-  auto join = make_node<BroadcastJoin>();
+  auto join = make_node<BroadcastJoin>(source, side[0]);
   join->set_next_edges(edges_of(tensors));
   for (const auto& t : tensors) {
     join->add_input_metadata(t); // on the forward's current stream, where gradients are consumed
@@ -447,8 +473,7 @@ std::vector<std::vector<at::Tensor>> broadcast_coalesced(at::TensorList tensors,
     }
     node->set_next_edges(std::move(to_join));
     for (const auto j : c10::irange(devices.size())) {
-      // Slots of device j belong to its reduction stream: the engine syncs the gradients to it.
-      c10::OptionalStreamGuard on_side_stream(side[j]);
+      // On the forward's current streams, where the gradients are produced.
       for (auto k : bucket) {
         attach(node, outputs[j][k], tensors[k].requires_grad());
       }
