@@ -60,6 +60,8 @@ struct PythonRefs {
   PyObject* key_former = interned("_former_parameters");
   PyObject* key_is_replica = interned("_is_replica");
   PyObject* key_dict = interned("__dict__");
+  PyObject* key_compiled_call = interned("_compiled_call_impl");
+  py::object sys_modules = py::module_::import("sys").attr("modules");
   py::object empty_tuple = py::reinterpret_steal<py::object>(PyTuple_New(0));
   py::module_ module_module = py::module_::import("torch.nn.modules.module");
   py::object module_type = module_module.attr("Module");
@@ -112,9 +114,10 @@ bool same_attribute(py::handle type, const char* name, py::handle expected) {
 }
 
 struct TypeInfo {
-  bool plain = false;    // built with dictionary operations (Note [Two ways to build a replica])
-  bool script = false;   // a torch.jit.ScriptModule
-  bool walkable = false; // named_modules() / modules() are nn.Module's
+  bool plain = false;     // built with dictionary operations (Note [Two ways to build a replica])
+  bool script = false;    // a torch.jit.ScriptModule
+  bool optimized = false; // torch.compile's module wrapper (Note [Replicating compiled modules])
+  bool walkable = false;  // named_modules() / modules() are nn.Module's
   bool overrides_setattr = false;
 };
 
@@ -138,14 +141,43 @@ class TypeTable {
     info.overrides_setattr = !same_attribute(t, "__setattr__", r.module_setattr);
     info.walkable = same_attribute(t, "named_modules", r.module_type.attr("named_modules")) &&
                     same_attribute(t, "modules", r.module_type.attr("modules"));
-    info.plain = !info.script && !info.overrides_setattr &&
+    const py::object optimized_type = optimized_module_type();
+    if (optimized_type) {
+      const int optimized = PyObject_IsSubclass(t.ptr(), optimized_type.ptr());
+      if (optimized < 0) {
+        throw py::error_already_set();
+      }
+      info.optimized = optimized == 1;
+    }
+    // OptimizedModule's __setattr__ forwards other objects' attributes to the wrapped module, so
+    // PyTorch's way would write into the original; dictionary operations never call it.
+    info.plain = !info.script && (!info.overrides_setattr || info.optimized) &&
                  type->tp_new == PyBaseObject_Type.tp_new &&
                  same_attribute(t, "_replicate_for_data_parallel", r.module_replicate);
     return table_.emplace(type, info).first->second;
   }
 
  private:
+  // torch._dynamo.eval_frame.OptimizedModule when torch.compile was ever used (else empty: no
+  // module can be one), looked up once per call.
+  py::object optimized_module_type() {
+    if (!optimized_looked_up_) {
+      optimized_looked_up_ = true;
+      PyObject* eval_frame =
+          PyDict_GetItemString(refs().sys_modules.ptr(), "torch._dynamo.eval_frame"); // borrowed
+      if (eval_frame != nullptr) {
+        optimized_type_ = py::getattr(eval_frame, "OptimizedModule", py::none());
+        if (optimized_type_.is_none()) {
+          optimized_type_ = py::object();
+        }
+      }
+    }
+    return optimized_type_;
+  }
+
   std::unordered_map<PyTypeObject*, TypeInfo> table_;
+  bool optimized_looked_up_ = false;
+  py::object optimized_type_;
 };
 
 // One module of the network, with its own dictionaries (exact dicts, or empty objects when the
@@ -490,6 +522,50 @@ bool registration_hooks_installed() {
   return false;
 }
 
+// Note [Replicating compiled modules]
+// torch.compile(module) returns an OptimizedModule whose `forward` is a compiled call of the
+// *original* wrapped module, and module.compile() stores a compiled call of the original's
+// _call_impl in `_compiled_call_impl`. A replica that copied those attributes would run the
+// original module (its parameters, its device) instead of its own. PyTorch's replicate is worse
+// off: OptimizedModule.__setattr__ forwards `_parameters`, `_buffers` and `_modules` to the
+// wrapped module, so _replicate_for_data_parallel() overwrites the original's dictionaries and
+// the model ends up containing itself. torchdp builds OptimizedModule replicas with dictionary
+// operations (no setattr), then re-derives each replica's compiled call from the replica itself:
+// OptimizedModule._initialize() for the wrapper, torchdp._compiled.rebind_compiled_call for
+// module.compile() (the same compiler context applied to the replica's _call_impl; replicas of
+// one class share dynamo's cache, so nothing is recompiled per step).
+void recompile_replicas(const Network& net, const std::vector<py::list>& copies) {
+  const auto& r = refs();
+  py::object rebind;
+  for (const auto i : c10::irange(net.modules.size())) {
+    const auto& e = net.modules[i];
+    if (e.type->optimized) {
+      for (const auto& list : copies) {
+        py::handle(list[i]).attr("_initialize")();
+      }
+    }
+    if (!e.dict || !PyDict_Check(e.dict.ptr())) {
+      continue;
+    }
+    PyObject* compiled = PyDict_GetItemWithError(e.dict.ptr(), r.key_compiled_call); // borrowed
+    if (compiled == nullptr) {
+      if (PyErr_Occurred()) {
+        throw py::error_already_set();
+      }
+      continue;
+    }
+    if (compiled == Py_None) {
+      continue;
+    }
+    if (!rebind) {
+      rebind = py::module_::import("torchdp._compiled").attr("rebind_compiled_call");
+    }
+    for (const auto& list : copies) {
+      rebind(list[i], py::handle(compiled));
+    }
+  }
+}
+
 std::vector<py::list> replicate(py::object network, const std::vector<c10::Device>& devices_in,
                                 bool detach, std::optional<int64_t> grad_bucket_bytes) {
   if (devices_in.empty()) {
@@ -592,10 +668,19 @@ std::vector<py::list> replicate(py::object network, const std::vector<c10::Devic
   for (const auto j : c10::irange(n)) {
     copies[j] = py::list(count);
   }
+  auto dict_ops = [&](const ModuleEntry& e) {
+    return e.plain && (fast || e.type->optimized);
+  };
   for (const auto i : c10::irange(count)) {
     const auto& e = net.modules[i];
+    TORCH_CHECK(
+        !e.type->optimized || e.plain, kApi, ": cannot replicate the torch.compile wrapper ",
+        std::string(py::str(py::type::of(e.module).attr("__qualname__"))),
+        ": it keeps its _parameters/_buffers/_modules in non-dict containers or overrides "
+        "__new__ or _replicate_for_data_parallel. Wrap the eager module instead and "
+        "compile the replicas' forward (torch.compile(module) before torchdp.DataParallel)");
     for (const auto j : c10::irange(n)) {
-      if (fast && e.plain) {
+      if (dict_ops(e)) {
         copies[j][i] = new_plain_replica(e, dicts[j][i]);
       } else {
         py::object replica = e.module.attr("_replicate_for_data_parallel")();
@@ -606,7 +691,7 @@ std::vector<py::list> replicate(py::object network, const std::vector<c10::Devic
   }
   for (const auto i : c10::irange(count)) {
     const auto& e = net.modules[i];
-    if (!(fast && e.plain)) {
+    if (!dict_ops(e)) {
       wire_with_setattr(e, i, copies, net, tensors);
       continue;
     }
@@ -614,6 +699,7 @@ std::vector<py::list> replicate(py::object network, const std::vector<c10::Devic
       wire_plain(e, j, copies, dicts, i, net, tensors, detach && j == 0);
     }
   }
+  recompile_replicas(net, copies);
   return copies;
 }
 

@@ -344,3 +344,20 @@ def gradient_penalty(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     out = module(x)
     (g,) = torch.autograd.grad(out.sum(), x, create_graph=True)
     return g.pow(2).sum() + out.pow(2).mean()
+
+
+def assert_steps_match_eager(
+    wrapped: nn.Module, net: nn.Module, eager: nn.Module, inputs: list[torch.Tensor], **tol: Any
+) -> None:
+    """For each input: forward and backward of ``out.square().sum()`` through ``wrapped`` (which
+    holds ``net``) and through ``eager`` (a copy of ``net``); outputs and gradients must match."""
+    for step, x in enumerate(inputs):
+        for m in (net, eager):
+            m.zero_grad(set_to_none=True)
+        out = wrapped(x)
+        out.square().sum().backward()
+        ref = eager(x)
+        ref.square().sum().backward()
+        torch.testing.assert_close(out, ref, msg=f"step {step}", **tol)
+        for (name, p), q in zip(net.named_parameters(), eager.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, msg=f"step {step}, gradient of {name}", **tol)

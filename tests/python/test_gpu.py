@@ -13,6 +13,7 @@ from dp_testing import (
     MODELS,
     STRUCTURES,
     ModelSpec,
+    assert_steps_match_eager,
     assert_structures_close,
     clone_module,
     grads_of,
@@ -349,3 +350,18 @@ def test_bucket_reduction_waits_for_the_second_gpus_backward():
         for (name, p), q in zip(net.named_parameters(), ref.parameters(), strict=True):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-6,
                                        msg=f"attempt {attempt}, gradient of {name}")
+
+
+def test_compiled_module_on_two_gpus_matches_eager():
+    """torch.compile(module) under DataParallel: each replica runs a compiled call of its own
+    module on its own GPU (nn.DataParallel rewrites the wrapped module's dictionaries instead)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 8)).cuda(0)
+    eager = clone_module(net)
+    keys = list(net._modules)
+    dp = torchdp.DataParallel(torch.compile(net, backend="aot_eager"), device_ids=[0, 1])
+    replicas = dp.replicate(dp.module, dp.device_ids)
+    assert replicas[1]._orig_mod[0].weight.device == torch.device("cuda", 1)
+    inputs = [torch.randn(32, 64, device="cuda:0") for _ in range(3)]
+    assert_steps_match_eager(dp, net, eager, inputs, rtol=1e-4, atol=1e-5)
+    assert list(net._modules) == keys

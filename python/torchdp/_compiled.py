@@ -1,0 +1,71 @@
+"""Replicas of modules compiled in place with ``module.compile()`` (see csrc/python/replicate_py.cpp,
+Note [Replicating compiled modules]).
+
+``module.compile(**options)`` stores ``torch.compile(module._call_impl, **options)`` in the
+module's ``_compiled_call_impl``: a compiled call bound to *that* module. A replica needs the same
+compiler context applied to its own ``_call_impl``. The context is not an attribute of the compiled
+function, but the function closes over it; when it cannot be found (another torch release), the
+replica runs eagerly and a warning says so once.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from typing import Any
+
+__all__ = ["rebind_compiled_call"]
+
+# compiled function -> its dynamo context (None: not found); weak, so compiled calls can go.
+_contexts: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+_warned = False
+
+
+def _dynamo_context_of(compiled: Any) -> Any:
+    try:
+        return _contexts[compiled]
+    except (KeyError, TypeError):
+        pass
+    context = None
+    try:
+        from torch._dynamo.eval_frame import _TorchDynamoContext
+    except ImportError:  # pragma: no cover - torch releases without dynamo
+        _TorchDynamoContext = None
+    if _TorchDynamoContext is not None:
+        for cell in getattr(compiled, "__closure__", None) or ():
+            try:
+                value = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            if isinstance(value, _TorchDynamoContext):
+                context = value
+                break
+    try:
+        _contexts[compiled] = context
+    except TypeError:  # not weak-referenceable: look it up again next time
+        pass
+    return context
+
+
+def rebind_compiled_call(replica: Any, compiled: Any) -> None:
+    """Gives ``replica`` a compiled call of its own ``_call_impl`` under the context of
+    ``compiled`` (the original module's ``_compiled_call_impl``); without a context the replica
+    runs eagerly."""
+    global _warned
+    context = _dynamo_context_of(compiled)
+    if context is None:
+        rebound = None
+        if not _warned:
+            _warned = True
+            warnings.warn(
+                "torchdp.replicate: a module compiled in place with module.compile() is "
+                f"replicated ({type(replica).__qualname__}), but the compiler settings of its "
+                "compiled call could not be recovered, so its replicas run eagerly. Use "
+                "torch.compile(module) (the wrapper torchdp replicates with its compiled forward) "
+                "instead of module.compile() to compile the replicas. This warning is shown once.",
+                UserWarning,
+                stacklevel=3,
+            )
+    else:
+        rebound = context(replica._call_impl)
+    replica.__dict__["_compiled_call_impl"] = rebound
