@@ -162,3 +162,17 @@ def test_inductor_compiled_wrapper_on_cuda_replicas():
     dp = torchdp.DataParallel(torch.compile(net), devices=[dev, dev])
     inputs = [torch.randn(16, 8, device=dev) for _ in range(3)]
     assert_steps_match_eager(dp, net, eager, inputs, rtol=1e-4, atol=1e-5)
+
+
+# Dynamo warns that it cannot trace torchdp's C++ functions (the graph breaks) and about the
+# replicas' non-leaf parameter copies it inspects.
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_compiling_the_data_parallel_itself_runs():
+    # torch.compile around the DataParallel: dynamo stops at torchdp's C++ calls (graph breaks)
+    # and the replicas run as usual.
+    torch.manual_seed(0)
+    net = Net()
+    eager = clone_module(net)
+    dp = torchdp.DataParallel(net, devices=cpu_devices(2))
+    assert_steps_match_eager(torch.compile(dp, backend=CountingBackend()), net, eager,
+                             [torch.randn(6, 8) for _ in range(2)])
