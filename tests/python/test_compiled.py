@@ -176,3 +176,26 @@ def test_compiling_the_data_parallel_itself_runs():
     dp = torchdp.DataParallel(net, devices=cpu_devices(2))
     assert_steps_match_eager(torch.compile(dp, backend=CountingBackend()), net, eager,
                              [torch.randn(6, 8) for _ in range(2)])
+
+
+def test_compiled_submodule():
+    class Outer(nn.Module):
+        def __init__(self, backend) -> None:
+            super().__init__()
+            self.inner = torch.compile(Net(), backend=backend)
+            self.head = nn.Linear(4, 3)
+
+        def forward(self, x):
+            return self.head(self.inner(x))
+
+    backend = CountingBackend()
+    net = Outer(backend)
+    inner = net.inner._orig_mod
+    eager = clone_module(net)
+    dp = torchdp.DataParallel(net, devices=cpu_devices(2))
+    calls = backend.calls
+    assert_steps_match_eager(dp, net, eager, [torch.randn(6, 8) for _ in range(3)])
+    assert backend.calls - calls >= 2 * 3  # both replicas' compiled inner modules, every step
+    replicas = torchdp.replicate(net, cpu_devices(2))
+    assert all(r.inner._orig_mod is not inner for r in replicas)
+    assert net.inner._orig_mod is inner and list(inner._modules) == ["a", "b"]
