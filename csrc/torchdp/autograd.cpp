@@ -12,6 +12,7 @@
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <map>
@@ -450,13 +451,16 @@ std::vector<std::vector<at::Tensor>> broadcast_coalesced(at::TensorList tensors,
   const auto source = detail::canonical(tensors[0].device());
   std::vector<std::optional<c10::Stream>> side(devices.size());
   std::optional<c10::Stream> consumer;
-  if (bucket_size > 0) {
+  // Side streams only when every device is a CUDA device: a list that mixes device types (cpu and
+  // cuda) reduces on the current streams, in order.
+  const bool all_cuda = std::all_of(devices.begin(), devices.end(), [](const c10::Device& d) {
+    return d.is_cuda();
+  });
+  if (bucket_size > 0 && all_cuda) {
     for (const auto j : c10::irange(devices.size())) {
       side[j] = reduction_stream(devices[j]);
     }
-    if (side[0]) {
-      consumer = c10::impl::VirtualGuardImpl(source.type()).getStream(source);
-    }
+    consumer = c10::impl::VirtualGuardImpl(source.type()).getStream(source);
   }
   auto join = make_node<BroadcastJoin>(source, side[0]);
   join->set_next_edges(edges_of(tensors));

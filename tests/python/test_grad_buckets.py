@@ -167,6 +167,26 @@ def test_bucketed_reduction_is_ordered_with_a_gpu_bound_backward(bucket_cap_mb):
                                        msg=f"attempt {attempt}, gradient of {name}")
 
 
+@pytest.mark.needs_cuda
+@pytest.mark.parametrize("order", ["cuda_first", "cpu_first"])
+def test_bucketed_reduction_over_mixed_device_types(order):
+    # cpu and cuda in one device list: no side streams, the buckets reduce in order.
+    torch.manual_seed(0)
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    devices = [cuda, cpu] if order == "cuda_first" else [cpu, cuda]
+    net = _mlp(layers=4, width=256).to(devices[0])
+    eager = clone_module(net)
+    dp = torchdp.DataParallel(net, devices=devices, bucket_cap_mb=0.5)
+    for _ in range(2):
+        x = torch.randn(32, 256, device=devices[0])
+        for m in (net, eager):
+            m.zero_grad(set_to_none=True)
+        dp(x).pow(2).mean().backward()
+        eager(x).pow(2).mean().backward()
+        for p, q in zip(net.parameters(), eager.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
+
+
 def test_bucket_cap_mb_option_overrides_the_environment(monkeypatch):
     monkeypatch.setenv(ENV, "0")
     net = _mlp()
