@@ -96,14 +96,14 @@ at::Tensor grad_or_zeros(const Node& node, const variable_list& grads, size_t i)
 // used in the forward never runs), so unused tensors get zero gradients exactly as with a single
 // reduction.
 //
-// On CUDA devices the reduction runs on a side stream per device (one pool stream each, kept for
-// the process), so that the backward pass goes on on the streams the forward ran on. The node's
-// input slots are registered on those forward streams, where the gradients are produced: the
-// engine then needs no event per gradient of the source device (a slot on another stream costs an
-// event record, a wait and a record_stream for every gradient), and the node's own stream (the
-// engine's name for the stream of its first slot) is the source device's forward stream, which
-// the engine makes wait for every gradient produced elsewhere (other devices, other streams)
-// before running the node. The engine synchronises nothing else, so inside the node:
+// When every device is a CUDA device the reduction runs on a side stream per device (one pool
+// stream each, kept for the process), so that the backward pass goes on on the streams the forward
+// ran on. The node's input slots are registered on those forward streams, where the gradients are
+// produced: the engine then needs no event per gradient of the source device (a slot on another
+// stream costs an event record, a wait and a record_stream for every gradient), and the node's own
+// stream (the engine's name for the stream of its first slot) is the source device's forward
+// stream, which the engine makes wait for every gradient produced elsewhere (other devices, other
+// streams) before running the node. The engine synchronises nothing else, so inside the node:
 //   * an event recorded on the node's stream -- after the engine's waits, so it covers every
 //     gradient -- is waited for by every device's side stream; the side streams of the other
 //     devices also wait for their device's current stream (where older releases assume a node
