@@ -677,8 +677,8 @@ std::vector<py::list> replicate(py::object network, const std::vector<c10::Devic
         !e.type->optimized || e.plain, kApi, ": cannot replicate the torch.compile wrapper ",
         std::string(py::str(py::type::of(e.module).attr("__qualname__"))),
         ": it keeps its _parameters/_buffers/_modules in non-dict containers or overrides "
-        "__new__ or _replicate_for_data_parallel. Wrap the eager module instead and "
-        "compile the replicas' forward (torch.compile(module) before torchdp.DataParallel)");
+        "__new__ or _replicate_for_data_parallel. Replicate the wrapped eager module instead "
+        "(wrapper._orig_mod), compiled in place with module.compile() if it should run compiled");
     for (const auto j : c10::irange(n)) {
       if (dict_ops(e)) {
         copies[j][i] = new_plain_replica(e, dicts[j][i]);

@@ -199,3 +199,21 @@ def test_compiled_submodule():
     replicas = torchdp.replicate(net, cpu_devices(2))
     assert all(r.inner._orig_mod is not inner for r in replicas)
     assert net.inner._orig_mod is inner and list(inner._modules) == ["a", "b"]
+
+
+def test_unreplicatable_compile_wrapper_is_refused_without_touching_the_original():
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    class OwnReplicate(OptimizedModule):  # a wrapper that changes _replicate_for_data_parallel
+        def _replicate_for_data_parallel(self):
+            return super()._replicate_for_data_parallel()
+
+    net = Net()
+    wrapper = torch.compile(net, backend=CountingBackend())
+    wrapper.__class__ = OwnReplicate
+    before = dict(net.__dict__)
+    with pytest.raises(RuntimeError, match=r"cannot replicate the torch\.compile wrapper "
+                       r"OwnReplicate.*wrapper\._orig_mod"):
+        torchdp.replicate(wrapper, cpu_devices(2))
+    assert net.__dict__.keys() == before.keys()
+    assert all(net.__dict__[k] is v for k, v in before.items())
