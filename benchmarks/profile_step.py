@@ -28,7 +28,8 @@ import statistics
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -70,21 +71,14 @@ class PhaseClock:
         self.step: dict[str, float] = defaultdict(float)
         self.steps: list[dict[str, float]] = []
 
-    def phase(self, name: str):
-        clock = self
-
-        class _Phase:
-            def __enter__(self):
-                self.start = time.perf_counter()
-                self.range = record_function(name)
-                self.range.__enter__()
-
-            def __exit__(self, *exc):
-                self.range.__exit__(*exc)
-                if clock.on:
-                    clock.step[name] += (time.perf_counter() - self.start) * 1e3
-
-        return _Phase()
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """A profiler range named `name`, its wall time added to the step's (when on)."""
+        start = time.perf_counter()
+        with record_function(name):
+            yield
+        if self.on:
+            self.step[name] += (time.perf_counter() - start) * 1e3
 
     def end_step(self) -> None:
         if self.on:
@@ -99,9 +93,10 @@ class PhaseClock:
 
 
 class MarkedDataParallel(torchdp.DataParallel):
-    """torchdp.DataParallel with a profiler range and a wall clock around each overridable phase."""
+    """torchdp.DataParallel with a profiler range and a wall clock around each overridable phase
+    (the clock is set on the instance)."""
 
-    clock = PhaseClock()
+    clock: PhaseClock
 
     def replicate(self, module, device_ids):
         with self.clock.phase("DataParallel.replicate"):
@@ -138,21 +133,24 @@ def timed_steps(step, clock: PhaseClock, devices, steps: int) -> list[float]:
     return times
 
 
-def single_gpu_phases(name: str, smoke: bool, dev0: torch.device, steps: int) -> dict[str, Any]:
-    """The plain model on devices[0] with the full batch: step time and wall ms per phase."""
+def training_step(
+    name: str, smoke: bool, dev0: torch.device, clock: PhaseClock, wrap: Callable[[Any], Any]
+) -> Callable[[], None]:
+    """One SGD step of bench_train_step's model `name` (on dev0, called through `wrap(model)`),
+    its phases timed by `clock`."""
     model = build_model(name, smoke)
     disable_dropout(model)
     model = model.to(dev0)
     x, target = make_inputs(name, smoke)
     x = x.to(dev0)
     target = target.to(dev0) if target is not None else None
+    net = wrap(model)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    clock = PhaseClock()
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)
         with clock.phase("forward"):
-            out = model(x)
+            out = net(x)
         with clock.phase("loss"):
             loss = compute_loss(name, out, target)
         with clock.phase("backward"):
@@ -160,7 +158,13 @@ def single_gpu_phases(name: str, smoke: bool, dev0: torch.device, steps: int) ->
         with clock.phase("optimizer"):
             opt.step()
 
-    times = timed_steps(step, clock, [dev0], steps)
+    return step
+
+
+def single_gpu_phases(name: str, smoke: bool, dev0: torch.device, steps: int) -> dict[str, Any]:
+    """The plain model on devices[0] with the full batch: step time and wall ms per phase."""
+    clock = PhaseClock()
+    times = timed_steps(training_step(name, smoke, dev0, clock, lambda m: m), clock, [dev0], steps)
     return {
         "step_ms_median": round(statistics.median(times), 2),
         "phase_wall_ms_per_step": clock.medians(("forward", "loss", "backward", "optimizer")),
@@ -174,31 +178,18 @@ def profile_model(
         [torch.device("cuda", i) for i in device_ids] if device_ids else mode_devices(smoke, gpus)
     )
     dev0 = devices[0]
-    clock = MarkedDataParallel.clock = PhaseClock()
-    model = build_model(name, smoke)
-    disable_dropout(model)
-    model = model.to(dev0)
-    x, target = make_inputs(name, smoke)
-    x = x.to(dev0)
-    target = target.to(dev0) if target is not None else None
-    dp = (
-        MarkedDataParallel(model, devices=devices)
-        if smoke
-        else MarkedDataParallel(model, device_ids=[d.index for d in devices])
-    )
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    clock = PhaseClock()
 
-    def step() -> None:
-        opt.zero_grad(set_to_none=True)
-        with clock.phase("forward"):
-            out = dp(x)
-        with clock.phase("loss"):
-            loss = compute_loss(name, out, target)
-        with clock.phase("backward"):
-            loss.backward()
-        with clock.phase("optimizer"):
-            opt.step()
+    def wrap(model):
+        dp = (
+            MarkedDataParallel(model, devices=devices)
+            if smoke
+            else MarkedDataParallel(model, device_ids=[d.index for d in devices])
+        )
+        dp.clock = clock
+        return dp
 
+    step = training_step(name, smoke, dev0, clock, wrap)
     times = timed_steps(step, clock, devices, steps)
     wall = clock.medians(("forward", *PHASES))
     activities = [ProfilerActivity.CPU]

@@ -231,14 +231,12 @@ struct BroadcastJoin : Node {
 // device j, outputs to the bucket's slots of the BroadcastJoin.
 struct BroadcastBackward : Node {
   BroadcastBackward(c10::Device source, std::vector<c10::Device> devices, size_t num_inputs,
-                    size_t buffer_size, std::vector<std::optional<c10::Stream>> side_streams,
-                    std::optional<c10::Stream> consumer_stream)
+                    size_t buffer_size, std::vector<std::optional<c10::Stream>> side_streams)
       : source_(source),
         devices_(std::move(devices)),
         num_inputs_(num_inputs),
         buffer_size_(buffer_size),
-        side_streams_(std::move(side_streams)),
-        consumer_stream_(consumer_stream) {}
+        side_streams_(std::move(side_streams)) {}
 
   std::string name() const override {
     return "torchdp::BroadcastBackward";
@@ -259,8 +257,13 @@ struct BroadcastBackward : Node {
       return result;
     }
     // Every device's reduction stream current, after waiting for the gradients of its device
-    // (Note [Gradient buckets and reduction streams]).
-    order_side_streams();
+    // (Note [Gradient buckets and reduction streams]). The node's own stream, current on the
+    // source device now, is the forward stream where the sums will be consumed.
+    std::optional<c10::Stream> node_stream;
+    if (side_streams_[0]) {
+      node_stream = c10::impl::VirtualGuardImpl(source_.type()).getStream(source_);
+      order_side_streams(*node_stream);
+    }
     std::vector<c10::Stream> side;
     for (const auto& stream : side_streams_) {
       if (stream) {
@@ -281,8 +284,8 @@ struct BroadcastBackward : Node {
     auto sums = reduce_add_coalesced(per_device, source_, buffer_size_);
     const void* recorded = nullptr; // consecutive sums are views of one flat buffer
     for (const auto i : c10::irange(wanted.size())) {
-      if (consumer_stream_ && sums[i].has_storage() && sums[i].storage().data() != recorded) {
-        record_on(sums[i], *consumer_stream_);
+      if (node_stream && sums[i].has_storage() && sums[i].storage().data() != recorded) {
+        record_on(sums[i], *node_stream);
         recorded = sums[i].storage().data();
       }
       result[wanted[i]] = std::move(sums[i]);
@@ -291,24 +294,17 @@ struct BroadcastBackward : Node {
   }
 
   // Makes every side stream wait for the gradients of the bucket: the engine only made the
-  // node's stream (the source's forward stream, current now) wait for them.
-  void order_side_streams() const {
-    std::optional<c10::Event> all_ready;
-    for (const auto j : c10::irange(devices_.size())) {
-      const auto& stream = side_streams_[j];
-      if (!stream) {
-        continue;
-      }
-      c10::impl::VirtualGuardImpl impl(stream->device_type());
-      if (!all_ready) {
-        all_ready.emplace(source_.type());
-        all_ready->record(impl.getStream(source_));
-      }
-      stream->wait(*all_ready);
+  // node's stream wait for them.
+  void order_side_streams(const c10::Stream& node_stream) const {
+    c10::Event all_ready(source_.type());
+    all_ready.record(node_stream);
+    for (const auto& stream : side_streams_) {
+      stream->wait(all_ready);
       if (stream->device() == source_) {
         continue;
       }
-      const auto producing = impl.getStream(stream->device());
+      const auto producing =
+          c10::impl::VirtualGuardImpl(stream->device_type()).getStream(stream->device());
       if (producing != *stream) {
         c10::Event produced(stream->device_type());
         produced.record(producing);
@@ -321,9 +317,8 @@ struct BroadcastBackward : Node {
   std::vector<c10::Device> devices_;
   size_t num_inputs_;
   size_t buffer_size_;
-  std::vector<std::optional<c10::Stream>> side_streams_; // per device; empty: current stream
-  // The source device's stream in the forward, where the sums are consumed (with side streams).
-  std::optional<c10::Stream> consumer_stream_;
+  // Per device; all set (every device is a CUDA device) or all empty (the current streams).
+  std::vector<std::optional<c10::Stream>> side_streams_;
 };
 
 struct ReduceAddBackward : Node {
@@ -450,7 +445,6 @@ std::vector<std::vector<at::Tensor>> broadcast_coalesced(at::TensorList tensors,
   const size_t bucket_size = grad_bucket_size();
   const auto source = detail::canonical(tensors[0].device());
   std::vector<std::optional<c10::Stream>> side(devices.size());
-  std::optional<c10::Stream> consumer;
   // Side streams only when every device is a CUDA device: a list that mixes device types (cpu and
   // cuda) reduces on the current streams, in order.
   const bool all_cuda = std::all_of(devices.begin(), devices.end(), [](const c10::Device& d) {
@@ -460,7 +454,6 @@ std::vector<std::vector<at::Tensor>> broadcast_coalesced(at::TensorList tensors,
     for (const auto j : c10::irange(devices.size())) {
       side[j] = reduction_stream(devices[j]);
     }
-    consumer = c10::impl::VirtualGuardImpl(source.type()).getStream(source);
   }
   auto join = make_node<BroadcastJoin>(source, side[0]);
   join->set_next_edges(edges_of(tensors));
@@ -468,8 +461,7 @@ std::vector<std::vector<at::Tensor>> broadcast_coalesced(at::TensorList tensors,
     join->add_input_metadata(t); // on the forward's current stream, where gradients are consumed
   }
   for (const auto& bucket : gradient_buckets(tensors, bucket_size)) {
-    auto node =
-        make_node<BroadcastBackward>(source, devices, bucket.size(), buffer_size, side, consumer);
+    auto node = make_node<BroadcastBackward>(source, devices, bucket.size(), buffer_size, side);
     torch::autograd::edge_list to_join;
     to_join.reserve(bucket.size());
     for (auto k : bucket) {

@@ -361,3 +361,31 @@ def assert_steps_match_eager(
         torch.testing.assert_close(out, ref, msg=f"step {step}", **tol)
         for (name, p), q in zip(net.named_parameters(), eager.parameters(), strict=True):
             torch.testing.assert_close(p.grad, q.grad, msg=f"step {step}, gradient of {name}", **tol)
+
+
+def assert_gpu_bound_buckets_ordered(
+    devices: list[torch.device], bucket_cap_mb: float, layers: int
+) -> None:
+    """Wide layers and a large batch make the backward GPU-bound: the CPU queues every kernel
+    (and every bucket's reduction) long before the GPUs have run them, so the reductions must wait
+    for the gradients on their side streams, and the forward stream for the sums before they are
+    accumulated in place into the existing .grad. Gradients are compared with one device's over
+    three attempts."""
+    import torchdp
+
+    torch.manual_seed(0)
+    width, batch = 4096, 16384  # ~10 ms of backward per layer and replica
+    net = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)]).to(devices[0])
+    ref = clone_module(net)
+    for p in net.parameters():
+        p.grad = torch.zeros_like(p)  # accumulated in place on the forward stream
+    dp = torchdp.DataParallel(net, devices=devices, bucket_cap_mb=bucket_cap_mb)
+    for attempt in range(3):
+        x = torch.randn(batch, width, device=devices[0])
+        ref.zero_grad(set_to_none=True)
+        ref(x).square().mean().backward()
+        net.zero_grad(set_to_none=False)
+        dp(x).square().mean().backward()
+        for (name, p), q in zip(net.named_parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-6,
+                                       msg=f"attempt {attempt}, gradient of {name}")

@@ -13,9 +13,11 @@ from dp_testing import (
     MODELS,
     STRUCTURES,
     ModelSpec,
+    assert_gpu_bound_buckets_ordered,
     assert_steps_match_eager,
     assert_structures_close,
     clone_module,
+    cuda_devices,
     grads_of,
     loss_of,
     masked_linear_class,
@@ -334,22 +336,7 @@ def test_bucket_reduction_waits_for_the_second_gpus_backward():
     reduction is issued while GPU 1 is still computing that bucket's gradients. Every side stream
     must wait for them (the engine orders only the node's own stream), and GPU 0's forward stream
     for the sums before accumulating them."""
-    torch.manual_seed(0)
-    width, batch = 4096, 16384  # ~10 ms per layer's backward on each GPU: GPU 1 lags far behind
-    net = nn.Sequential(*[nn.Linear(width, width) for _ in range(4)]).cuda(0)
-    ref = clone_module(net)
-    for p in net.parameters():
-        p.grad = torch.zeros_like(p)  # accumulated in place on the forward stream
-    dp = torchdp.DataParallel(net, device_ids=[0, 1], bucket_cap_mb=1)
-    for attempt in range(3):
-        x = torch.randn(batch, width, device="cuda:0")
-        ref.zero_grad(set_to_none=True)
-        ref(x).square().mean().backward()
-        net.zero_grad(set_to_none=False)
-        dp(x).square().mean().backward()
-        for (name, p), q in zip(net.named_parameters(), ref.parameters(), strict=True):
-            torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-6,
-                                       msg=f"attempt {attempt}, gradient of {name}")
+    assert_gpu_bound_buckets_ordered(cuda_devices(2), bucket_cap_mb=1, layers=4)
 
 
 def test_compiled_module_on_two_gpus_matches_eager():

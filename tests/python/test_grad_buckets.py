@@ -7,7 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dp_testing import clone_module, cpu_devices, gradient_penalty
+from dp_testing import (
+    assert_gpu_bound_buckets_ordered,
+    clone_module,
+    cpu_devices,
+    gradient_penalty,
+)
 from torch import nn
 
 import torchdp
@@ -145,26 +150,9 @@ def test_bucketed_reduction_on_cuda_side_streams(monkeypatch, mib):
 @pytest.mark.needs_cuda
 @pytest.mark.parametrize("bucket_cap_mb", [1, 25])
 def test_bucketed_reduction_is_ordered_with_a_gpu_bound_backward(bucket_cap_mb):
-    # The GPU runs far behind the CPU here (~10 ms of backward kernels per layer and replica), so
-    # each bucket's reduction is issued long before its gradients exist and the join long before
-    # the reductions finish: the side stream must wait for the gradients, and the forward stream
-    # for the sums before accumulating them into the existing .grad (in place, on that stream).
-    torch.manual_seed(0)
+    # Two replicas on one GPU (one side stream): see assert_gpu_bound_buckets_ordered.
     dev = torch.device("cuda", 0)
-    net = nn.Sequential(*[nn.Linear(4096, 4096) for _ in range(3)]).to(dev)
-    ref = clone_module(net)
-    for p in net.parameters():
-        p.grad = torch.zeros_like(p)
-    dp = torchdp.DataParallel(net, devices=[dev, dev], bucket_cap_mb=bucket_cap_mb)
-    for attempt in range(3):
-        x = torch.randn(16384, 4096, device=dev)
-        ref.zero_grad(set_to_none=True)
-        ref(x).square().mean().backward()
-        net.zero_grad(set_to_none=False)
-        dp(x).square().mean().backward()
-        for (name, p), q in zip(net.named_parameters(), ref.parameters(), strict=True):
-            torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-6,
-                                       msg=f"attempt {attempt}, gradient of {name}")
+    assert_gpu_bound_buckets_ordered([dev, dev], bucket_cap_mb=bucket_cap_mb, layers=3)
 
 
 @pytest.mark.needs_cuda
