@@ -4,7 +4,8 @@
 ``data_parallel``, ``replicate``, ``scatter``, ``scatter_kwargs``, ``gather``,
 ``parallel_apply``), plus post-replicate hooks (``register_post_replicate_hook``), explicit CPU
 and meta device lists (``devices=``), per-replica outputs and losses (``gather_output=False`` with
-``DataParallelCriterion``) and :func:`patch_torch` to swap torchdp in for PyTorch's names.
+``DataParallelCriterion``), a check of unregistered replica state (``stale_attributes=``) and
+:func:`patch_torch` to swap torchdp in for PyTorch's names.
 
 Example::
 

@@ -20,6 +20,7 @@ from torch._utils import (
 )
 
 from torchdp import _C
+from torchdp._attributes import check_stale_attribute_policy
 from torchdp.parallel_apply import parallel_apply
 from torchdp.replicate import _bucket_bytes, replicate
 from torchdp.scatter_gather import DeviceLike, _to_device, _to_devices, gather, scatter_kwargs
@@ -175,6 +176,13 @@ class DataParallel(_TorchDataParallel[T]):
         bucket_cap_mb (float, keyword-only): size in MiB of the gradient buckets reduced while
             the backward pass runs, as DDP's ``bucket_cap_mb`` (``0``: one bucket, reduced at the
             end). Default: ``TORCHDP_GRAD_BUCKET_MB``, else 25.
+        stale_attributes (str, keyword-only): what to do with plain (unregistered) attributes of
+            the replicas on the other devices that still hold tensors on ``device_ids[0]`` or the
+            module's own submodules, directly or inside lists, tuples and dicts (a non-buffer
+            ``self.pixel_mean``, a Python list of stages): ``'move'`` gives each replica its own
+            copies on its device, ``'warn'`` warns once per class and attribute, ``'error'``
+            raises before the replicas run. Checked after the post-replicate hooks, so it
+            catches what they miss. Default: ``None`` (as PyTorch: shared, unchecked).
 
     Attributes:
         module (Module): the module to be parallelized.
@@ -190,6 +198,7 @@ class DataParallel(_TorchDataParallel[T]):
     gather_output: bool = True
     serial_forward: bool = False
     bucket_cap_mb: float | None = None
+    stale_attributes: str | None = None
 
     def __init__(
         self,
@@ -203,6 +212,7 @@ class DataParallel(_TorchDataParallel[T]):
         gather_output: bool = True,
         serial_forward: bool = False,
         bucket_cap_mb: float | None = None,
+        stale_attributes: str | None = None,
     ) -> None:
         # Deliberately not torch.nn.DataParallel.__init__: the base class is only there for
         # isinstance checks.
@@ -214,6 +224,9 @@ class DataParallel(_TorchDataParallel[T]):
         self.serial_forward = bool(serial_forward)
         _bucket_bytes(bucket_cap_mb, "torchdp.DataParallel")  # checked now, not at the forward
         self.bucket_cap_mb = bucket_cap_mb
+        self.stale_attributes = check_stale_attribute_policy(
+            stale_attributes, "torchdp.DataParallel"
+        )
 
         if devices is not None:
             device_list, self.output_device = _resolve_explicit(
@@ -291,9 +304,15 @@ class DataParallel(_TorchDataParallel[T]):
     def replicate(self, module: T, device_ids: Sequence[int | torch.device]) -> list[T]:
         """Replicates :attr:`module` on :attr:`device_ids` (detached under ``torch.no_grad()``)."""
         detach = not torch.is_grad_enabled()
-        if self.bucket_cap_mb is None:  # the call PyTorch makes
+        if self.bucket_cap_mb is None and self.stale_attributes is None:  # PyTorch's call
             return replicate(module, device_ids, detach)
-        return replicate(module, device_ids, detach, bucket_cap_mb=self.bucket_cap_mb)
+        return replicate(
+            module,
+            device_ids,
+            detach,
+            bucket_cap_mb=self.bucket_cap_mb,
+            stale_attributes=self.stale_attributes,
+        )
 
     def scatter(
         self,
@@ -330,6 +349,7 @@ def data_parallel(
     module_kwargs: Any | None = None,
     *,
     devices: Sequence[DeviceLike] | None = None,
+    stale_attributes: str | None = None,
 ) -> Any:
     r"""Evaluates ``module(*inputs, **module_kwargs)`` in parallel across devices: the functional
     form of :class:`DataParallel`, a drop-in for :func:`torch.nn.parallel.data_parallel`.
@@ -348,6 +368,9 @@ def data_parallel(
         module_kwargs (dict, optional): keyword arguments for the module.
         devices (list of torch.device, keyword-only): an explicit device list (cpu, meta or cuda;
             a device may repeat) used instead of :attr:`device_ids`, even without an accelerator.
+        stale_attributes (str, keyword-only): ``'move'``, ``'warn'`` or ``'error'`` for plain
+            attributes of the replicas still on the first device, as in :class:`DataParallel`.
+            Default: ``None``.
 
     Returns:
         The gathered output of the module, on :attr:`output_device`.
@@ -356,6 +379,7 @@ def data_parallel(
 
         >>> out = torchdp.data_parallel(model, x, devices=[torch.device("cpu")] * 2)
     """
+    check_stale_attribute_policy(stale_attributes, "torchdp.data_parallel")
     if not isinstance(inputs, tuple):
         inputs = (inputs,) if inputs is not None else ()
 
@@ -393,6 +417,9 @@ def data_parallel(
     if len(used_ids) == 1:
         return module(*scattered[0], **scattered_kwargs[0])
     used = used_ids[: len(scattered)]
-    replicas = replicate(module, used)
+    if stale_attributes is None:  # the call PyTorch makes
+        replicas = replicate(module, used)
+    else:
+        replicas = replicate(module, used, stale_attributes=stale_attributes)
     outputs = parallel_apply(replicas, scattered, scattered_kwargs, used)
     return gather(outputs, target, dim)

@@ -14,7 +14,9 @@ runs, in order:
 1. the registered post-replicate hooks (:mod:`torchdp.hooks`),
 2. the ``__data_parallel_replicate__(ctx, copy_id)`` callbacks of modules that define them (the
    Synchronized-BatchNorm convention, so SyncBN works without ``DataParallelWithCallback``),
-3. the replica device check (``torchdp._C.check_replica_devices``).
+3. the replica device check (``torchdp._C.check_replica_devices``),
+4. with ``stale_attributes=``, the check of plain attributes still referring to the source
+   device's tensors and modules (:mod:`torchdp._attributes`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 from torch import nn
 
 from torchdp import _C
+from torchdp._attributes import check_stale_attribute_policy, fix_stale_attributes
 from torchdp.hooks import ReplicaContext, _has_hooks, _hooks_for
 from torchdp.scatter_gather import DeviceLike, _to_devices
 
@@ -117,6 +120,7 @@ def replicate(
     detach: bool = False,
     *,
     bucket_cap_mb: float | None = None,
+    stale_attributes: str | None = None,
 ) -> list[T]:
     r"""Replicates a module on each device, as :func:`torch.nn.parallel.replicate`.
 
@@ -138,6 +142,12 @@ def replicate(
         bucket_cap_mb (float, keyword-only, optional): size in MiB of the gradient buckets that
             are reduced while the backward pass runs (as DDP's ``bucket_cap_mb``; ``0``: one
             bucket, reduced at the end). Default: ``TORCHDP_GRAD_BUCKET_MB``, else 25.
+        stale_attributes (str, keyword-only, optional): what to do, after the hooks, with plain
+            (unregistered) attributes of the replicas on other devices than ``devices[0]`` that
+            still hold tensors on ``devices[0]`` or the network's own modules, directly or in
+            lists, tuples and dicts: ``'move'`` gives each replica its own copies, ``'warn'``
+            warns once per class and attribute, ``'error'`` raises. Default: ``None``, PyTorch's
+            behaviour (shared by reference, unchecked).
 
     Returns:
         list of Module: the root replica for each device.
@@ -147,6 +157,7 @@ def replicate(
         >>> replicas = torchdp.replicate(model, [torch.device("cpu")] * 2)
         >>> replicas[1](x)
     """
+    check_stale_attribute_policy(stale_attributes, _API)
     if not devices:
         return []
     device_list = _to_devices(devices, _API)
@@ -157,4 +168,8 @@ def replicate(
         _run_post_replicate_hooks(list(network.modules()), copies, device_list, network)
     _run_replication_callbacks(copies)
     _C.check_replica_devices(copies, device_list, _API)
+    if stale_attributes is not None:
+        fix_stale_attributes(
+            list(network.modules()), copies, device_list, stale_attributes, _API, network
+        )
     return [cast(T, copies[j][0]) for j in range(len(device_list))]

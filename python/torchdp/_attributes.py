@@ -1,0 +1,206 @@
+"""The stale-attribute check of Python replicas (``stale_attributes=`` of the replicate APIs).
+
+Replicate copies a module's *registered* parameters and buffers to each device. Every other
+attribute of a replica is the original's object, shared by reference: a plain tensor attribute
+(``self.pixel_mean = torch.tensor(...)``) stays on the source device, and a plain Python list of
+submodules (``self.stages = [self.res2, self.res3]``) still holds the *original* modules, whose
+parameters live on the source device too. The replica on another device then fails inside its
+forward ("expected all tensors to be on the same device") or silently computes with the
+original's modules.
+
+After the post-replicate hooks have run, this check looks at the plain attributes (and the
+lists, tuples and dicts in them) of every replica whose device is not the source device, and
+finds those two kinds of stale state. The policy says what happens:
+
+* ``"move"``: the replica gets its own copy of a stale tensor on its device (a differentiable
+  ``.to()``; a tensor that is one of the network's registered parameters or buffers becomes that
+  replica's copy of it), and references to the network's modules become references to the
+  replica's copies. Containers are rebuilt for the replica; the original's are never changed.
+* ``"warn"``: the replica is left as PyTorch leaves it, and a warning names the class, the
+  attribute and the fix (once per class and attribute).
+* ``"error"``: a ``RuntimeError`` names the module, the attribute, the devices and the fixes.
+
+Tensors on a device other than the source device (a CPU lookup table in a GPU model) are left
+alone: every replica, replica 0 included, sees the same tensor there.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["STALE_ATTRIBUTE_POLICIES", "check_stale_attribute_policy", "fix_stale_attributes"]
+
+STALE_ATTRIBUTE_POLICIES = ("move", "warn", "error")
+
+# Keys that nn.Module itself keeps in __dict__ (hook dicts, _parameters, _buffers, _modules,
+# training, ...) plus those replicate adds: never user state.
+_INTERNAL_KEYS = frozenset(nn.Module().__dict__) | {"_former_parameters", "_is_replica"}
+
+# How deep lists, tuples and dicts inside an attribute are searched.
+_MAX_DEPTH = 4
+
+_warned: set[tuple[str, str]] = set()
+_warned_lock = threading.Lock()
+
+
+def check_stale_attribute_policy(policy: Any, api: str) -> str | None:
+    """``policy`` if it is a valid ``stale_attributes=`` value, else a ``ValueError``."""
+    if policy is None or (isinstance(policy, str) and policy in STALE_ATTRIBUTE_POLICIES):
+        return policy
+    raise ValueError(
+        f"{api}: stale_attributes must be None (leave replicas as PyTorch does), 'move', 'warn' "
+        f"or 'error', got {policy!r}"
+    )
+
+
+class _Replica:
+    """Resolves the network's modules and registered tensors to one replica's copies."""
+
+    def __init__(
+        self,
+        modules: list[nn.Module],
+        replica_modules: list[nn.Module],
+        module_index: dict[int, int],
+        tensor_index: dict[int, tuple[int, str]],
+        device: torch.device,
+        source: torch.device,
+    ) -> None:
+        self.modules = modules
+        self.replica_modules = replica_modules
+        self.module_index = module_index
+        self.tensor_index = tensor_index
+        self.device = device
+        self.source = source
+        self.found: list[str] = []  # descriptions of what is stale, for the message
+
+    def fix(self, value: Any, where: str, depth: int) -> Any:
+        """``value`` with its stale parts replaced (the same object when nothing is stale)."""
+        if isinstance(value, torch.Tensor):
+            if value.device != self.source:
+                return value
+            self.found.append(f"{where} is a tensor on {self.source}")
+            registered = self.tensor_index.get(id(value))
+            if registered is not None:
+                position, name = registered
+                return getattr(self.replica_modules[position], name)
+            return value.to(self.device)
+        if isinstance(value, nn.Module):
+            position = self.module_index.get(id(value))
+            if position is None:  # not part of the network: not replicate's business
+                return value
+            self.found.append(f"{where} is the original module (type {type(value).__qualname__})")
+            return self.replica_modules[position]
+        if depth >= _MAX_DEPTH:
+            return value
+        if type(value) is list or type(value) is tuple or _is_namedtuple(value):
+            items = [self.fix(v, f"{where}[{i}]", depth + 1) for i, v in enumerate(value)]
+            if all(a is b for a, b in zip(items, value, strict=True)):
+                return value
+            if type(value) is list:
+                return items
+            if type(value) is tuple:
+                return tuple(items)
+            return type(value)(*items)
+        if type(value) is dict or type(value) is OrderedDict:
+            pairs = [(k, self.fix(v, f"{where}[{k!r}]", depth + 1)) for k, v in value.items()]
+            if all(new is value[k] for k, new in pairs):
+                return value
+            return type(value)(pairs)
+        return value
+
+
+def _is_namedtuple(value: Any) -> bool:
+    return isinstance(value, tuple) and hasattr(type(value), "_fields")
+
+
+def _may_hold_state(value: Any) -> bool:
+    return isinstance(value, (torch.Tensor, nn.Module, list, tuple, dict))
+
+
+def _message(
+    api: str, policy: str, cls: str, path: str, key: str, j: int, replica: _Replica
+) -> str:
+    what = "; ".join(replica.found[:3]) + (
+        f" (and {len(replica.found) - 3} more)" if len(replica.found) > 3 else ""
+    )
+    owner = f"module '{path}'" if path else "the root module"
+    if policy == "error":
+        lead = (
+            f"{api}: attribute '{key}' of {owner} (type {cls}) in replica {j} on {replica.device}"
+        )
+    else:
+        lead = f"{api}: attribute '{key}' of {cls} replicas on other devices than {replica.source}"
+    return (
+        f"{lead} still refers to the source device's state: {what}. replicate copies only "
+        "registered parameters and buffers, so the replica would use the original's. Fix: "
+        "register tensors as buffers (register_buffer(name, tensor, persistent=False) if they "
+        "must stay out of the state_dict) and modules as submodules (nn.ModuleList), copy them "
+        "in a post-replicate hook (torchdp.register_post_replicate_hook), or pass "
+        "stale_attributes='move' to have torchdp give each replica its own copies."
+    )
+
+
+def fix_stale_attributes(
+    modules: list[nn.Module],
+    copies: list[list[nn.Module]],
+    devices: Sequence[torch.device],
+    policy: str,
+    api: str,
+    network: nn.Module,
+) -> None:
+    """Applies ``policy`` to the stale attributes of the replicas in ``copies``
+    (``copies[j][p]`` is replica j's copy of ``modules[p]``; ``devices[0]`` is the source)."""
+    source = devices[0]
+    targets = [j for j, d in enumerate(devices) if d != source]
+    if not targets:
+        return
+    candidates = [
+        (p, [k for k, v in m.__dict__.items() if k not in _INTERNAL_KEYS and _may_hold_state(v)])
+        for p, m in enumerate(modules)
+    ]
+    candidates = [(p, keys) for p, keys in candidates if keys]
+    if not candidates:
+        return
+    module_index = {id(m): p for p, m in enumerate(modules)}
+    tensor_index: dict[int, tuple[int, str]] = {}
+    for p, m in enumerate(modules):
+        for table in (m._parameters, m._buffers):
+            for name, t in table.items():
+                if t is not None:
+                    tensor_index.setdefault(id(t), (p, name))
+    paths: dict[int, str] | None = None
+    for j in targets:
+        for p, keys in candidates:
+            replica_module = copies[j][p]
+            state = replica_module.__dict__
+            for key in keys:
+                if key not in state:  # a hook removed it
+                    continue
+                replica = _Replica(
+                    modules, copies[j], module_index, tensor_index, devices[j], source
+                )
+                fixed = replica.fix(state[key], key, 0)
+                if not replica.found:
+                    continue
+                if policy == "move":
+                    state[key] = fixed
+                    continue
+                cls = type(modules[p]).__qualname__
+                if policy == "error":
+                    if paths is None:
+                        paths = {id(m): name for name, m in network.named_modules()}
+                    raise RuntimeError(
+                        _message(api, policy, cls, paths.get(id(modules[p]), ""), key, j, replica)
+                    )
+                with _warned_lock:
+                    if (cls, key) in _warned:
+                        continue
+                    _warned.add((cls, key))
+                warnings.warn(_message(api, policy, cls, "", key, j, replica), stacklevel=4)
