@@ -6,6 +6,10 @@ Both replicate differentiably (``detach=False``) onto all GPUs. Two parts:
   12-layer ``nn.TransformerEncoder`` of ``TransformerEncoderLayer(768, 12, 3072,
   batch_first=True)``; ``mlp200``: ``nn.Sequential`` of 200 x (Linear(256, 256), ReLU)) ->
   records ``bench="replicate"``, modes ``torch_replicate`` / ``torchdp_replicate``;
+  Each model's records also carry ``broadcast_ms_median``: the time of broadcasting its
+  parameters and buffers alone (``torchdp._C.broadcast_coalesced``, no autograd, no modules),
+  the transfer that any replicate pays, and ``bound_vs_torch`` = torch's replicate time / that
+  time, the largest speedup over torch that a replicate could reach on this machine;
 * a curve over module count: ``nn.Sequential`` of k ``Linear(16, 16)`` for k in 10 ... 2000 ->
   records ``bench="replicate_curve"``, ``model=f"seq{k}"``, ``modules`` = len(list(net.modules())).
 
@@ -144,6 +148,7 @@ class Runner:
                 modules: int | None, steps_for: Callable[[str], int]) -> None:
         """Times both modes on `net` (already on devices[0]) and adds their records."""
         medians: dict[str, float] = {}
+        floor = self.broadcast_floor(model_name, net) if bench == "replicate" else None
         for mode in MODES:
             record = self.base(bench, model_name, mode)
             if modules is not None:
@@ -187,6 +192,10 @@ class Runner:
                 torch_ms = medians.get("torch_replicate")
                 ours = medians.get("torchdp_replicate")
                 record["speedup_vs_torch"] = (torch_ms / ours if torch_ms and ours else None)
+            if floor is not None:
+                record["broadcast_ms_median"] = floor
+                torch_ms = medians.get("torch_replicate")
+                record["bound_vs_torch"] = torch_ms / floor if torch_ms else None
             self.results.add(**record)
             if record.get("replicate_ms_median") is not None:
                 extra = (f", {record['speedup_vs_torch']:.2f}x vs torch"
@@ -195,6 +204,24 @@ class Runner:
                                 f"{record['replicate_ms_median']:.2f} ms "
                                 f"(p10 {record['replicate_ms_p10']:.2f}, "
                                 f"p90 {record['replicate_ms_p90']:.2f}){extra}")
+
+    def broadcast_floor(self, model_name: str, net: nn.Module | None) -> float | None:
+        """Median ms of broadcasting `net`'s parameters and buffers to the devices, or None."""
+        if net is None or torchdp is None or len(self.devices) < 2:
+            return None
+        tensors = [t.detach() for t in (*net.parameters(), *net.buffers())]
+        try:
+            times = common.time_steps(
+                lambda: torchdp._C.broadcast_coalesced(tensors, self.devices),
+                self.devices, self.args.warmup, self.args.steps)
+        except Exception as e:  # noqa: BLE001 - the replicate records still come
+            common.progress(f"replicate {model_name} broadcast floor: FAILED: {error_text(e)}")
+            return None
+        finally:
+            free_memory()
+        floor = common.summarize(times, prefix="b")["b_median"]
+        common.progress(f"replicate {model_name} broadcast floor: {floor:.2f} ms")
+        return floor
 
     def build(self, make: Callable[[], nn.Module]) -> tuple[nn.Module | None, str, int | None]:
         try:

@@ -315,14 +315,20 @@ def replicate_section(records: list[Record]) -> list[str]:
         speed = d.get("speedup_vs_torch")
         if speed is None and time_of(t) and time_of(d):
             speed = time_of(t) / time_of(d)
+        floor = num(d.get("broadcast_ms_median", t.get("broadcast_ms_median")))
+        bound = num(d.get("bound_vs_torch", t.get("bound_vs_torch")))
         rows.append([model, gpus, d.get("modules", t.get("modules")), fmt_ms(time_of(t)),
-                     fmt_ms(time_of(d)), fmt_x(speed)])
+                     fmt_ms(time_of(d)), fmt_x(speed), fmt_ms(floor), fmt_x(bound)])
     if rows:
         lines += ["## Replicate", "",
                   ("One differentiable `replicate()` onto all GPUs (median ms): "
-                  "`torch.nn.parallel.replicate` vs `torchdp.replicate`; speedup = torch / torchdp."),
+                  "`torch.nn.parallel.replicate` vs `torchdp.replicate`; speedup = torch / torchdp. "
+                  "Broadcast only: the parameters and buffers broadcast alone, the transfer every "
+                  "replicate pays; bound = torch / broadcast only, the most any replicate could "
+                  "gain over torch's here."),
                   ""]
-        lines += table(["model", "gpus", "modules", "torch ms", "torchdp ms", "speedup"], rows)
+        lines += table(["model", "gpus", "modules", "torch ms", "torchdp ms", "speedup",
+                        "broadcast only ms", "bound"], rows)
 
     groups = pivot(records, "replicate_curve")
     rows = []
