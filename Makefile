@@ -5,6 +5,7 @@
 #   make install-python   pip install --no-build-isolation -e . (the setup.py driven build)
 #   make demo   train a small masked model with torchdp.DataParallel (Python) and check it
 #   make demo-cpp   the same with torchdp::DataParallel in C++
+#   make test-sanitize   the C++ and Python tests against an AddressSanitizer + UBSan build
 # TORCHDP_REQUIRE_CUDA=1 makes a GPU run fail instead of skipping its CUDA cases and requires the
 # CUDA and NCCL fast paths at configure time.
 
@@ -19,7 +20,7 @@ CUDA_ARGS := -DTORCHDP_WITH_CUDA=ON -DTORCHDP_WITH_NCCL=ON
 endif
 
 .PHONY: all deps configure build test test-cpp consumer python test-python install-python demo \
-	demo-cpp bench clean
+	demo-cpp bench clean test-sanitize
 
 all: build
 
@@ -110,5 +111,29 @@ bench: python
 	  --cpp-bin $(BUILD)/benchmarks/cpp/torchdp_bench_cpp $(BENCH_ARGS)
 	PYTHONPATH=$(CURDIR)/python $(PYTHON) benchmarks/profile_step.py $(PROFILE_ARGS)
 
+# AddressSanitizer + UndefinedBehaviorSanitizer over the core, the extension and the C++ tests, built
+# in $(SAN_BUILD) (the extension goes to $(SAN_BUILD)/python/torchdp, next to a copy of the package's
+# Python files); then ctest, and pytest with the sanitizer runtimes preloaded into Python. Any report
+# fails the run. Slow (a Debug build of its own), so not part of `make test`; without GPUs it runs the
+# CPU cases. Leak detection is off: libtorch and CPython keep allocations until exit by design.
+SAN_BUILD ?= $(BUILD)-sanitize
+SAN_FLAGS := -fsanitize=address,undefined -fno-omit-frame-pointer
+SAN_ENV := ASAN_OPTIONS=detect_leaks=0:halt_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
+test-sanitize: deps
+	@prefix=$$($(PYTHON) -c "import torch.utils; print(torch.utils.cmake_prefix_path)"); \
+	gen=$$(command -v ninja >/dev/null && echo Ninja || echo "Unix Makefiles"); \
+	cmake -S . -B $(SAN_BUILD) -G "$$gen" -DCMAKE_BUILD_TYPE=Debug \
+	  -DCMAKE_CXX_FLAGS="$(SAN_FLAGS) -O1" -DCMAKE_EXE_LINKER_FLAGS="$(SAN_FLAGS)" \
+	  -DCMAKE_SHARED_LINKER_FLAGS="$(SAN_FLAGS)" -DCMAKE_PREFIX_PATH="$$prefix" \
+	  -DPython3_EXECUTABLE=$$($(PYTHON) -c "import sys; print(sys.executable)") \
+	  -DTORCHDP_BUILD_PYTHON=ON -DTORCHDP_PYTHON_OUTPUT_DIR=$(CURDIR)/$(SAN_BUILD)/python/torchdp \
+	  -DTORCHDP_BUILD_EXAMPLES=OFF $(CUDA_ARGS) $(CMAKE_ARGS)
+	cmake --build $(SAN_BUILD) -j $(JOBS)
+	cp python/torchdp/*.py python/torchdp/py.typed $(SAN_BUILD)/python/torchdp/
+	cd $(SAN_BUILD) && $(SAN_ENV) ctest --output-on-failure -j $(JOBS)
+	LD_PRELOAD="$$($(CXX) -print-file-name=libasan.so) $$($(CXX) -print-file-name=libubsan.so)" \
+	  $(SAN_ENV) PYTHONPATH=$(CURDIR)/$(SAN_BUILD)/python \
+	  $(PYTHON) -m pytest -p no:cacheprovider tests/python
+
 clean:
-	rm -rf $(BUILD)
+	rm -rf $(BUILD) $(SAN_BUILD)
