@@ -136,6 +136,34 @@ void broadcast(std::vector<at::Tensor>& buffers, const std::vector<c10::Device>&
   }
 }
 
+void broadcast_each(const std::vector<at::Tensor>& sources,
+                    const std::vector<std::vector<at::Tensor>>& destinations,
+                    const std::vector<c10::Device>& devices) {
+  auto& comms = communicators(devices);
+  GroupGuard group;
+  for (const auto j : c10::irange(devices.size())) {
+    c10::cuda::CUDAGuard guard(devices[j]);
+    auto stream = c10::cuda::getCurrentCUDAStream(devices[j].index());
+    for (const auto k : c10::irange(sources.size())) {
+      const auto& source = sources[k];
+      const size_t bytes = source.numel() * source.element_size();
+      if (bytes == 0) {
+        continue;
+      }
+      void* recv = source.data_ptr();
+      if (j > 0) {
+        const auto& destination = destinations[j][k];
+        TORCH_INTERNAL_ASSERT(
+            destination.is_contiguous() &&
+            static_cast<size_t>(destination.numel() * destination.element_size()) == bytes);
+        recv = destination.data_ptr();
+      }
+      TORCHDP_NCCL_CHECK(ncclBroadcast(source.data_ptr(), recv, bytes, ncclUint8, /*root=*/0,
+                                       comms[j], stream.stream()));
+    }
+  }
+}
+
 void reduce(const std::vector<at::Tensor>& inputs, at::Tensor& output, size_t root,
             const std::vector<c10::Device>& devices) {
   auto& comms = communicators(devices);

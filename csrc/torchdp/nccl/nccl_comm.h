@@ -24,6 +24,13 @@ bool reduce_supports(at::ScalarType dtype);
 /// contiguous, same number of bytes, on devices[j]).
 void broadcast(std::vector<at::Tensor>& buffers, const std::vector<c10::Device>& devices);
 
+/// Broadcasts every contiguous sources[k] (on devices[0]) into destinations[j][k] (preallocated,
+/// contiguous, same number of bytes, on devices[j]; destinations[0] is not used: the root sends in
+/// place), all in one NCCL group, so no staging copy is made on the source device.
+void broadcast_each(const std::vector<at::Tensor>& sources,
+                    const std::vector<std::vector<at::Tensor>>& destinations,
+                    const std::vector<c10::Device>& devices);
+
 /// Sums the contiguous inputs[j] (on devices[j], same numel and dtype) into `output` on
 /// devices[root].
 void reduce(const std::vector<at::Tensor>& inputs, at::Tensor& output, size_t root,
