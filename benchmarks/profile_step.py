@@ -19,11 +19,18 @@ CPU-bound model can be studied on a one-GPU machine.
     python benchmarks/profile_step.py          # all GPUs (2 or more), ~1 min; `make bench` runs it
     python benchmarks/profile_step.py --device-ids 0,0 --models mlp200        # one GPU, 2 replicas
     python benchmarks/profile_step.py --out /tmp/p.json --smoke                        # CPU, seconds
+    python benchmarks/profile_step.py --models transformer --trace /tmp/traces   # + Chrome traces
+
+``--trace DIR`` also writes the profiled steps of each model as a gzipped Chrome trace
+(``DIR/<model>-trace.json.gz``; open it in Perfetto or chrome://tracing): the calling thread, the
+workers and autograd threads, and every kernel and copy on each GPU's streams.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
+import shutil
 import statistics
 import sys
 import time
@@ -171,8 +178,26 @@ def single_gpu_phases(name: str, smoke: bool, dev0: torch.device, steps: int) ->
     }
 
 
+def write_trace(prof: Any, directory: str, name: str) -> Path:
+    """The profiler's Chrome trace of `name`'s steps, gzipped, into `directory`."""
+    folder = Path(directory)
+    folder.mkdir(parents=True, exist_ok=True)
+    plain = folder / f"{name}-trace.json"
+    prof.export_chrome_trace(str(plain))
+    packed = plain.with_name(plain.name + ".gz")
+    with open(plain, "rb") as src, gzip.open(packed, "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    plain.unlink()
+    return packed
+
+
 def profile_model(
-    name: str, smoke: bool, gpus: int, steps: int, device_ids: list[int] | None = None
+    name: str,
+    smoke: bool,
+    gpus: int,
+    steps: int,
+    device_ids: list[int] | None = None,
+    trace_dir: str | None = None,
 ) -> dict[str, Any]:
     devices = (
         [torch.device("cuda", i) for i in device_ids] if device_ids else mode_devices(smoke, gpus)
@@ -199,6 +224,8 @@ def profile_model(
         for _ in range(steps):
             step()
         common.synchronize(devices)
+    if trace_dir is not None:
+        common.progress(f"{name}: trace in {write_trace(prof, trace_dir, name)}")
     phases: dict[str, float] = defaultdict(float)
     gpu_us: dict[int, float] = defaultdict(float)
     for event in prof.events():
@@ -284,6 +311,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--steps", type=int, default=3, help="profiled steps (default 3)")
     parser.add_argument("--models", default=None, help=f"comma list of {', '.join(MODELS)}")
+    parser.add_argument(
+        "--trace", default=None, help="folder for gzipped Chrome traces of the profiled steps"
+    )
     args = parser.parse_args(argv)
     visible = torch.cuda.device_count()
     device_ids = None
@@ -318,7 +348,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name in parse_list(args.models, MODELS, "model"):
         where = f"device ids {device_ids}" if device_ids else f"{args.gpus} devices"
         common.progress(f"profiling {name} (torchdp.DataParallel, {where})")
-        rec = profile_model(name, args.smoke, args.gpus, args.steps, device_ids)
+        rec = profile_model(name, args.smoke, args.gpus, args.steps, device_ids, args.trace)
         phases = ", ".join(
             f"{p.removeprefix('DataParallel.')} {v:.2f}"
             for p, v in rec["phase_cpu_ms_per_step"].items()
