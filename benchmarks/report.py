@@ -253,22 +253,22 @@ def train_section(records: list[Record]) -> list[str]:
             ddp[(r.get("bench"), r.get("model"), r.get("dtype"), r.get("gpus"))] = t
     lines = ["## Training steps", "",
              ("Median of the timed steps (zero_grad, forward, loss, backward, optimizer step); "
-             "p10–p90 spread; speedup = one-GPU time / time; ratio to DDP = time / DDP time "
-             "(below 1: faster than DDP)."), ""]
+             "p10–p90 spread; speedup = one-GPU time / time; vs DDP = DDP time / time "
+             "(above 1: faster than DDP, below 1: slower)."), ""]
     rows = []
     for r in ordered(ok):
         ratio = num(r.get("ratio_to_ddp"))
         if ratio is None:
             ref = ddp.get((r.get("bench"), r.get("model"), r.get("dtype"), r.get("gpus")))
             t = time_of(r)
-            ratio = t / ref if ref and t and not is_ddp(str(r.get("mode"))) else None
+            ratio = ref / t if ref and t and not is_ddp(str(r.get("mode"))) else None
         ratio = "—" if ratio is None or is_ddp(str(r.get("mode"))) else f"{ratio:.2f}"
         rows.append([r.get("model"), r.get("dtype"), r.get("mode"), gpus_cell(r),
                      fmt_ms(r.get("step_ms_median")), spread(r, "step_ms"),
                      fmt_x(r.get("speedup_vs_single")), ratio, fmt_gib(r.get("peak_mem_gib")),
                      grads_cell(r)])
     lines += table(["model", "dtype", "mode", "gpus", "median ms", "p10–p90 ms",
-                    "speedup vs single", "ratio to DDP", "peak GiB per GPU", "grads match"], rows)
+                    "speedup vs single", "vs DDP", "peak GiB per GPU", "grads match"], rows)
     return lines
 
 
