@@ -9,14 +9,18 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 #include <c10/util/irange.h>
+#include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <map>
+#include <memory>
 #include <mutex>
+#include <string>
 #include <type_traits>
 #include <utility>
 
@@ -191,6 +195,93 @@ std::vector<std::vector<size_t>> gradient_buckets(at::TensorList tensors, size_t
   return buckets;
 }
 
+// Note [Delivering bucket sums directly]
+// TORCHDP_GRAD_DELIVERY=bucket (experimental; the default is "join"): when every broadcast tensor
+// that needs a gradient is a leaf (a module's parameters), each bucket node passes its sums
+// straight to those tensors' gradient edges (their AccumulateGrad nodes), so gradients reach .grad
+// while the backward pass still runs, instead of all at once through the join after the last
+// bucket. The node makes the source device's forward stream wait for its reduction before
+// returning the sums (the CPU enqueues that wait far ahead of the GPU in a GPU-bound step). A
+// bucket none of whose copies took part in the forward never runs; its tensors get zero gradients
+// at the end of the pass from an engine callback, queued by the first bucket node that runs, which
+// sets .grad to zeros where it is still undefined -- in passes that accumulate into .grad
+// (backward() without inputs=) only: torch.autograd.grad and backward(inputs=...) leave those
+// tensors without a gradient where the join gives zeros, and the zeros skip gradient hooks.
+bool deliver_per_bucket() {
+  const char* env = std::getenv("TORCHDP_GRAD_DELIVERY");
+  if (env == nullptr || *env == '\0') {
+    return false;
+  }
+  const std::string mode(env);
+  TORCH_CHECK(mode == "join" || mode == "bucket",
+              "torchdp: TORCHDP_GRAD_DELIVERY must be 'join' (the default) or 'bucket', got '",
+              mode, "'");
+  return mode == "bucket";
+}
+
+// Which buckets of one broadcast ran in each backward pass, and the zeros for those that did not
+// (Note [Delivering bucket sums directly]).
+class BucketDelivery : public std::enable_shared_from_this<BucketDelivery> {
+ public:
+  BucketDelivery(std::vector<at::Tensor> tensors, std::vector<std::vector<size_t>> buckets)
+      : tensors_(std::move(tensors)), buckets_(std::move(buckets)) {}
+
+  size_t bucket_count() const {
+    return buckets_.size();
+  }
+
+  // Called by bucket node `bucket` when it runs, on an autograd thread of the pass.
+  void ran(size_t bucket) {
+    const int task = torch::autograd::get_current_graph_task_id();
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = passes_.find(task);
+    if (it == passes_.end()) {
+      const auto* info = torch::autograd::get_current_graph_task_exec_info();
+      const bool accumulating = info == nullptr || info->empty();
+      it = passes_.emplace(task, std::vector<bool>(buckets_.size(), false)).first;
+      torch::autograd::Engine::get_default_engine().queue_callback(
+          [self = shared_from_this(), task, accumulating] {
+            self->finish(task, accumulating);
+          });
+    }
+    it->second[bucket] = true;
+  }
+
+ private:
+  void finish(int task, bool accumulating) {
+    std::vector<bool> ran;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto it = passes_.find(task);
+      if (it == passes_.end()) {
+        return;
+      }
+      ran = std::move(it->second);
+      passes_.erase(it);
+    }
+    if (!accumulating) {
+      return;
+    }
+    at::NoGradGuard no_grad;
+    for (const auto b : c10::irange(buckets_.size())) {
+      if (ran[b]) {
+        continue;
+      }
+      for (auto k : buckets_[b]) {
+        auto& t = tensors_[k];
+        if (t.requires_grad() && t.is_leaf() && !t.grad().defined()) {
+          t.mutable_grad() = at::zeros_like(t);
+        }
+      }
+    }
+  }
+
+  std::vector<at::Tensor> tensors_;
+  std::vector<std::vector<size_t>> buckets_;
+  std::mutex mutex_;
+  std::map<int, std::vector<bool>> passes_; // per graph task: which buckets ran
+};
+
 // Where the buckets' sums meet: one slot per broadcast tensor, one edge to each tensor's own
 // gradient edge. A bucket whose copies took no part in the forward never runs, so its slots stay
 // empty and get zeros here, as a single reduction would give them (a parameter that needs a
@@ -231,12 +322,15 @@ struct BroadcastJoin : Node {
 // device j, outputs to the bucket's slots of the BroadcastJoin.
 struct BroadcastBackward : Node {
   BroadcastBackward(c10::Device source, std::vector<c10::Device> devices, size_t num_inputs,
-                    size_t buffer_size, std::vector<std::optional<c10::Stream>> side_streams)
+                    size_t buffer_size, std::vector<std::optional<c10::Stream>> side_streams,
+                    std::shared_ptr<BucketDelivery> delivery = nullptr, size_t bucket_index = 0)
       : source_(source),
         devices_(std::move(devices)),
         num_inputs_(num_inputs),
         buffer_size_(buffer_size),
-        side_streams_(std::move(side_streams)) {}
+        side_streams_(std::move(side_streams)),
+        delivery_(std::move(delivery)),
+        bucket_index_(bucket_index) {}
 
   std::string name() const override {
     return "torchdp::BroadcastBackward";
@@ -253,6 +347,9 @@ struct BroadcastBackward : Node {
       }
     }
     variable_list result(num_inputs_);
+    if (delivery_) {
+      delivery_->ran(bucket_index_);
+    }
     if (wanted.empty()) {
       return result;
     }
@@ -290,6 +387,13 @@ struct BroadcastBackward : Node {
       }
       result[wanted[i]] = std::move(sums[i]);
     }
+    if (delivery_ && node_stream) {
+      // The sums go straight to their consumers on the forward stream (Note [Delivering bucket
+      // sums directly]): order it after this bucket's reduction.
+      c10::Event reduced(source_.type());
+      reduced.record(*side_streams_[0]);
+      node_stream->wait(reduced);
+    }
     return result;
   }
 
@@ -319,6 +423,9 @@ struct BroadcastBackward : Node {
   size_t buffer_size_;
   // Per device; all set (every device is a CUDA device) or all empty (the current streams).
   std::vector<std::optional<c10::Stream>> side_streams_;
+  // Set when the sums go straight to the tensors' gradient edges (no join).
+  std::shared_ptr<BucketDelivery> delivery_;
+  size_t bucket_index_;
 };
 
 struct ReduceAddBackward : Node {
@@ -455,19 +562,39 @@ std::vector<std::vector<at::Tensor>> broadcast_coalesced(at::TensorList tensors,
       side[j] = reduction_stream(devices[j]);
     }
   }
-  auto join = make_node<BroadcastJoin>(source, side[0]);
-  join->set_next_edges(edges_of(tensors));
-  for (const auto& t : tensors) {
-    join->add_input_metadata(t); // on the forward's current stream, where gradients are consumed
-  }
-  for (const auto& bucket : gradient_buckets(tensors, bucket_size)) {
-    auto node = make_node<BroadcastBackward>(source, devices, bucket.size(), buffer_size, side);
-    torch::autograd::edge_list to_join;
-    to_join.reserve(bucket.size());
-    for (auto k : bucket) {
-      to_join.push_back(tensors[k].requires_grad() ? Edge(join, static_cast<uint32_t>(k)) : Edge());
+  const auto buckets = gradient_buckets(tensors, bucket_size);
+  // Note [Delivering bucket sums directly]: only when every tensor that needs a gradient is a leaf.
+  const bool direct =
+      deliver_per_bucket() && std::all_of(tensors.begin(), tensors.end(), [](const at::Tensor& t) {
+        return !t.requires_grad() || t.is_leaf();
+      });
+  NodePtr join;
+  std::shared_ptr<BucketDelivery> delivery;
+  if (direct) {
+    delivery = std::make_shared<BucketDelivery>(tensors.vec(), buckets);
+  } else {
+    join = make_node<BroadcastJoin>(source, side[0]);
+    join->set_next_edges(edges_of(tensors));
+    for (const auto& t : tensors) {
+      join->add_input_metadata(t); // on the forward's current stream, where gradients are consumed
     }
-    node->set_next_edges(std::move(to_join));
+  }
+  for (const auto b : c10::irange(buckets.size())) {
+    const auto& bucket = buckets[b];
+    auto node = make_node<BroadcastBackward>(source, devices, bucket.size(), buffer_size, side,
+                                             delivery, b);
+    torch::autograd::edge_list next;
+    next.reserve(bucket.size());
+    for (auto k : bucket) {
+      if (!tensors[k].requires_grad()) {
+        next.emplace_back();
+      } else if (direct) {
+        next.push_back(torch::autograd::impl::gradient_edge(tensors[k]));
+      } else {
+        next.emplace_back(join, static_cast<uint32_t>(k));
+      }
+    }
+    node->set_next_edges(std::move(next));
     for (const auto j : c10::irange(devices.size())) {
       // On the forward's current streams, where the gradients are produced.
       for (auto k : bucket) {

@@ -331,11 +331,13 @@ def test_bucketed_training_matches_one_gpu(bucket_cap_mb):
             torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=f"step {step}")
 
 
-def test_bucket_reduction_waits_for_the_second_gpus_backward():
+@pytest.mark.parametrize("delivery", ["join", "bucket"])
+def test_bucket_reduction_waits_for_the_second_gpus_backward(monkeypatch, delivery):
     """GPU-bound backward: the CPU queues every kernel long before GPU 1 has run them, so a bucket's
     reduction is issued while GPU 1 is still computing that bucket's gradients. Every side stream
     must wait for them (the engine orders only the node's own stream), and GPU 0's forward stream
-    for the sums before accumulating them."""
+    for the sums before accumulating them; with TORCHDP_GRAD_DELIVERY=bucket, bucket by bucket."""
+    monkeypatch.setenv("TORCHDP_GRAD_DELIVERY", delivery)
     assert_gpu_bound_buckets_ordered(cuda_devices(2), bucket_cap_mb=1, layers=4)
 
 

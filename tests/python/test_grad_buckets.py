@@ -18,6 +18,14 @@ from torch import nn
 import torchdp
 
 ENV = "TORCHDP_GRAD_BUCKET_MB"
+DELIVERY = "TORCHDP_GRAD_DELIVERY"
+
+
+@pytest.fixture(params=["join", "bucket"])
+def delivery(request, monkeypatch):
+    """Both ways of handing the sums to the parameters (Note [Delivering bucket sums directly])."""
+    monkeypatch.setenv(DELIVERY, request.param)
+    return request.param
 
 
 def _mlp(layers: int = 6, width: int = 32) -> nn.Sequential:
@@ -77,7 +85,7 @@ def test_first_bucket_is_small(monkeypatch):
 
 @pytest.mark.parametrize("mib", ["0", "0.000001", "0.01", "25"])
 @pytest.mark.parametrize("n", [2, 3])
-def test_bucketed_gradients_equal_the_module(monkeypatch, mib, n):
+def test_bucketed_gradients_equal_the_module(monkeypatch, mib, n, delivery):
     monkeypatch.setenv(ENV, mib)
     net = _mlp()
     ref = clone_module(net)
@@ -89,7 +97,7 @@ def test_bucketed_gradients_equal_the_module(monkeypatch, mib, n):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_bucketed_double_backward(monkeypatch):
+def test_bucketed_double_backward(monkeypatch, delivery):
     monkeypatch.setenv(ENV, "0.000001")
     net = _mlp(layers=3, width=8)
     ref = clone_module(net)
@@ -102,7 +110,7 @@ def test_bucketed_double_backward(monkeypatch):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
 
 
-def test_unused_parameters_get_zero_gradients_in_every_bucket(monkeypatch):
+def test_unused_parameters_get_zero_gradients_in_every_bucket(monkeypatch, delivery):
     monkeypatch.setenv(ENV, "0.000001")
 
     class Partly(nn.Module):
@@ -129,7 +137,7 @@ def test_bad_bucket_size_is_named(monkeypatch, bad):
 
 @pytest.mark.needs_cuda
 @pytest.mark.parametrize("mib", ["0", "0.001", "25"])
-def test_bucketed_reduction_on_cuda_side_streams(monkeypatch, mib):
+def test_bucketed_reduction_on_cuda_side_streams(monkeypatch, mib, delivery):
     # The same CUDA device twice: the reduction runs on its side stream while the backward of
     # the replicas is still queued on the default stream.
     monkeypatch.setenv(ENV, mib)
@@ -149,7 +157,7 @@ def test_bucketed_reduction_on_cuda_side_streams(monkeypatch, mib):
 
 @pytest.mark.needs_cuda
 @pytest.mark.parametrize("bucket_cap_mb", [1, 25])
-def test_bucketed_reduction_is_ordered_with_a_gpu_bound_backward(bucket_cap_mb):
+def test_bucketed_reduction_is_ordered_with_a_gpu_bound_backward(bucket_cap_mb, delivery):
     # Two replicas on one GPU (one side stream): see assert_gpu_bound_buckets_ordered.
     dev = torch.device("cuda", 0)
     assert_gpu_bound_buckets_ordered([dev, dev], bucket_cap_mb=bucket_cap_mb, layers=3)
@@ -157,7 +165,7 @@ def test_bucketed_reduction_is_ordered_with_a_gpu_bound_backward(bucket_cap_mb):
 
 @pytest.mark.needs_cuda
 @pytest.mark.parametrize("order", ["cuda_first", "cpu_first"])
-def test_bucketed_reduction_over_mixed_device_types(order):
+def test_bucketed_reduction_over_mixed_device_types(order, delivery):
     # cpu and cuda in one device list: no side streams, the buckets reduce in order.
     torch.manual_seed(0)
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
@@ -200,3 +208,78 @@ def test_bad_bucket_cap_mb_is_named(bad):
         torchdp.DataParallel(_mlp(), devices=cpu_devices(2), bucket_cap_mb=bad)
     with pytest.raises(ValueError, match="torchdp.replicate: bucket_cap_mb"):
         torchdp.replicate(_mlp(), cpu_devices(2), bucket_cap_mb=bad)
+
+
+def _next_node_names(replica: nn.Module) -> set[str]:
+    return {
+        fn.name()
+        for m in replica.modules()
+        for key in m._former_parameters
+        for fn, _ in getattr(m, key).grad_fn.next_functions
+        if fn is not None
+    }
+
+
+def test_bucket_delivery_goes_straight_to_the_parameters(monkeypatch):
+    monkeypatch.setenv(ENV, "0.000001")
+    net = _mlp(layers=2, width=4)
+    monkeypatch.setenv(DELIVERY, "join")
+    r0, _ = torchdp.replicate(net, cpu_devices(2))
+    assert _next_node_names(r0) == {"torchdp::BroadcastBackwardJoin"}
+    monkeypatch.setenv(DELIVERY, "bucket")
+    r0, _ = torchdp.replicate(net, cpu_devices(2))
+    assert _next_node_names(r0) == {"torch::autograd::AccumulateGrad"}
+
+    # Gradients reach .grad during the backward pass: the first layer's tensor hook sees the last
+    # layer's gradient already accumulated (the last layer's bucket ran before).
+    seen = []
+    x = torch.randn(5, 4, requires_grad=True)
+    out = torchdp.DataParallel(net, devices=cpu_devices(2))(x)
+    x.register_hook(lambda g: seen.append(net[2].weight.grad is not None))
+    out.sum().backward()
+    assert seen == [True]
+
+
+def test_bucket_delivery_keeps_the_join_for_non_leaf_sources(monkeypatch):
+    monkeypatch.setenv(DELIVERY, "bucket")
+    leaf = torch.randn(3, requires_grad=True)
+    copies = torchdp._C.broadcast_coalesced([leaf * 2], cpu_devices(2), 10485760, True)
+    nexts = {fn.name() for fn, _ in copies[1][0].grad_fn.next_functions if fn is not None}
+    assert nexts == {"torchdp::BroadcastBackwardJoin"}
+    copies[1][0].sum().backward()
+    torch.testing.assert_close(leaf.grad, torch.full((3,), 2.0))
+
+
+def test_bucket_delivery_over_several_passes_and_autograd_grad(monkeypatch):
+    monkeypatch.setenv(ENV, "0.000001")
+
+    class Partly(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.used = nn.Linear(4, 4)
+            self.unused = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.used(x)
+
+    x = torch.randn(6, 4)
+    results = {}
+    for mode in ("join", "bucket"):
+        monkeypatch.setenv(DELIVERY, mode)
+        torch.manual_seed(0)
+        net = Partly()
+        dp = torchdp.DataParallel(net, devices=cpu_devices(2))
+        loss = dp(x).pow(2).sum()
+        loss.backward(retain_graph=True)
+        loss.backward()  # a second pass over the same graph accumulates again
+        (g,) = torch.autograd.grad(dp(x).pow(2).sum(), [net.used.weight])
+        results[mode] = (net.used.weight.grad.clone(), net.unused.weight.grad.clone(), g)
+    for a, b in zip(results["join"], results["bucket"], strict=True):
+        torch.testing.assert_close(a, b)
+    torch.testing.assert_close(results["bucket"][1], torch.zeros(4, 4))
+
+
+def test_bad_delivery_is_named(monkeypatch):
+    monkeypatch.setenv(DELIVERY, "eager")
+    with pytest.raises(RuntimeError, match="TORCHDP_GRAD_DELIVERY must be 'join'"):
+        torchdp.replicate(_mlp(), cpu_devices(2))
