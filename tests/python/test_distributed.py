@@ -99,8 +99,15 @@ def _run(tmp_path, devices: list[str], accumulate: bool = False) -> None:
             torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("delivery", ["join", "bucket"])
 @pytest.mark.parametrize("accumulate", [False, True], ids=["step", "no_sync"])
-def test_ddp_over_torchdp_on_cpu_matches_whole_batch_training(tmp_path, accumulate):
+def test_ddp_over_torchdp_on_cpu_matches_whole_batch_training(
+    tmp_path, monkeypatch, accumulate, delivery
+):
+    # TORCHDP_GRAD_DELIVERY reaches the worker processes through the environment; with "bucket",
+    # DDP's hooks fire while torchdp's buckets are still being reduced.
+    monkeypatch.setenv("TORCHDP_GRAD_DELIVERY", delivery)
+    monkeypatch.setenv("TORCHDP_GRAD_BUCKET_MB", "0.001")
     _run(tmp_path, ["cpu", "cpu"], accumulate)
 
 
