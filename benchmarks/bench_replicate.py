@@ -144,8 +144,15 @@ class Runner:
             record["smoke"] = True
         return record
 
-    def measure(self, bench: str, model_name: str, net: nn.Module | None, build_error: str,
-                modules: int | None, steps_for: Callable[[str], int]) -> None:
+    def measure(
+        self,
+        bench: str,
+        model_name: str,
+        net: nn.Module | None,
+        build_error: str,
+        modules: int | None,
+        steps_for: Callable[[str], int],
+    ) -> None:
         """Times both modes on `net` (already on devices[0]) and adds their records."""
         medians: dict[str, float] = {}
         floor = self.broadcast_floor(model_name, net) if bench == "replicate" else None
@@ -155,15 +162,16 @@ class Runner:
                 record["modules"] = modules
             if mode == "torch_replicate" and any(d.type != "cuda" for d in self.devices):
                 record["replicate_ms_median"] = None
-                record["skipped"] = ("torch.nn.parallel.replicate needs CUDA devices "
-                                     f"(devices: {record['devices']})")
+                record["skipped"] = (
+                    f"torch.nn.parallel.replicate needs CUDA devices (devices: {record['devices']})"
+                )
                 self.results.add(**record)
                 common.progress(f"{bench} {model_name} {mode}: skipped ({record['skipped']})")
                 continue
             if net is None:
                 record["replicate_ms_median"] = None
                 if build_error.startswith("skipped: "):
-                    record["skipped"] = build_error[len("skipped: "):]
+                    record["skipped"] = build_error[len("skipped: ") :]
                     common.progress(f"{bench} {model_name} {mode}: {build_error}")
                 else:
                     record["error"] = build_error
@@ -175,7 +183,9 @@ class Runner:
                 fn = replicate_fn(mode, self.devices)
                 steps = steps_for(mode)
                 started = time.perf_counter()
-                times = common.time_steps(lambda fn=fn: fn(net), self.devices, self.args.warmup, steps)
+                times = common.time_steps(
+                    lambda fn=fn: fn(net), self.devices, self.args.warmup, steps
+                )
                 record.update(common.summarize(times, prefix="replicate_ms"))
                 record["wall_s"] = round(time.perf_counter() - started, 3)
                 medians[mode] = record["replicate_ms_median"]
@@ -191,19 +201,24 @@ class Runner:
             if mode == "torchdp_replicate":
                 torch_ms = medians.get("torch_replicate")
                 ours = medians.get("torchdp_replicate")
-                record["speedup_vs_torch"] = (torch_ms / ours if torch_ms and ours else None)
+                record["speedup_vs_torch"] = torch_ms / ours if torch_ms and ours else None
             if floor is not None:
                 record["broadcast_ms_median"] = floor
                 torch_ms = medians.get("torch_replicate")
                 record["bound_vs_torch"] = torch_ms / floor if torch_ms else None
             self.results.add(**record)
             if record.get("replicate_ms_median") is not None:
-                extra = (f", {record['speedup_vs_torch']:.2f}x vs torch"
-                         if record.get("speedup_vs_torch") else "")
-                common.progress(f"{bench} {model_name} {mode}: "
-                                f"{record['replicate_ms_median']:.2f} ms "
-                                f"(p10 {record['replicate_ms_p10']:.2f}, "
-                                f"p90 {record['replicate_ms_p90']:.2f}){extra}")
+                extra = (
+                    f", {record['speedup_vs_torch']:.2f}x vs torch"
+                    if record.get("speedup_vs_torch")
+                    else ""
+                )
+                common.progress(
+                    f"{bench} {model_name} {mode}: "
+                    f"{record['replicate_ms_median']:.2f} ms "
+                    f"(p10 {record['replicate_ms_p10']:.2f}, "
+                    f"p90 {record['replicate_ms_p90']:.2f}){extra}"
+                )
 
     def broadcast_floor(self, model_name: str, net: nn.Module | None) -> float | None:
         """Median ms of broadcasting `net`'s parameters and buffers to the devices, or None."""
@@ -213,7 +228,10 @@ class Runner:
         try:
             times = common.time_steps(
                 lambda: torchdp._C.broadcast_coalesced(tensors, self.devices),
-                self.devices, self.args.warmup, self.args.steps)
+                self.devices,
+                self.args.warmup,
+                self.args.steps,
+            )
         except Exception as e:  # noqa: BLE001 - the replicate records still come
             common.progress(f"replicate {model_name} broadcast floor: FAILED: {error_text(e)}")
             return None
@@ -263,22 +281,38 @@ def parse_ints(text: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     common.add_common_args(parser)
-    parser.add_argument("--steps", type=int, default=None,
-                        help="timed replicate() calls per configuration (default 10; smoke 3)")
-    parser.add_argument("--warmup", type=int, default=None,
-                        help="warm-up calls (default 2; smoke 1)")
-    parser.add_argument("--curve", type=parse_ints, default=None,
-                        help="comma-separated module counts k of the curve "
-                             f"(default {','.join(map(str, DEFAULT_CURVE))}; smoke "
-                             f"{','.join(map(str, SMOKE_CURVE))}; empty: no curve)")
-    parser.add_argument("--models", default=",".join(DEFAULT_MODELS),
-                        help="comma-separated models (default: %(default)s; empty: none)")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="timed replicate() calls per configuration (default 10; smoke 3)",
+    )
+    parser.add_argument(
+        "--warmup", type=int, default=None, help="warm-up calls (default 2; smoke 1)"
+    )
+    parser.add_argument(
+        "--curve",
+        type=parse_ints,
+        default=None,
+        help="comma-separated module counts k of the curve "
+        f"(default {','.join(map(str, DEFAULT_CURVE))}; smoke "
+        f"{','.join(map(str, SMOKE_CURVE))}; empty: no curve)",
+    )
+    parser.add_argument(
+        "--models",
+        default=",".join(DEFAULT_MODELS),
+        help="comma-separated models (default: %(default)s; empty: none)",
+    )
     parser.add_argument("--verbose", action="store_true", help="print tracebacks of failures")
-    parser.add_argument("--strict", action="store_true",
-                        help="exit 1 when a configuration failed (default: record it, exit 0)")
+    parser.add_argument(
+        "--strict",
+        action="store_true",
+        help="exit 1 when a configuration failed (default: record it, exit 0)",
+    )
     args = parser.parse_args(argv)
     args.steps = args.steps if args.steps is not None else (3 if args.smoke else 10)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.smoke else 2)
@@ -298,17 +332,21 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.manual_seed(0)
     runner = Runner(args, devices)
-    common.progress(f"replicate benchmark on {','.join(map(str, devices))}: models "
-                    f"{','.join(args.models) or '-'}, curve {args.curve}, steps {args.steps}, "
-                    f"warm-up {args.warmup}")
+    common.progress(
+        f"replicate benchmark on {','.join(map(str, devices))}: models "
+        f"{','.join(args.models) or '-'}, curve {args.curve}, steps {args.steps}, "
+        f"warm-up {args.warmup}"
+    )
     started = time.perf_counter()
     try:
         runner.run_models()
         runner.run_curve()
     finally:
         runner.results.write(args.out)
-        common.progress(f"replicate benchmark done in {time.perf_counter() - started:.1f} s"
-                        + (f" ({runner.failures} failed)" if runner.failures else ""))
+        common.progress(
+            f"replicate benchmark done in {time.perf_counter() - started:.1f} s"
+            + (f" ({runner.failures} failed)" if runner.failures else "")
+        )
     return 1 if args.strict and runner.failures else 0
 
 

@@ -152,10 +152,16 @@ def wrap_data_parallel(
         return TorchDataParallel(module, device_ids=list(range(gpus))), None
     if impl in ("torchdp", "torchdp_serial"):
         serial = impl == "torchdp_serial"
-        note = "serial_forward=True: replicas issued in order on the calling thread" if serial else None
+        note = (
+            "serial_forward=True: replicas issued in order on the calling thread"
+            if serial
+            else None
+        )
         if smoke:
             return (
-                torchdp.DataParallel(module, devices=mode_devices(True, gpus), serial_forward=serial),
+                torchdp.DataParallel(
+                    module, devices=mode_devices(True, gpus), serial_forward=serial
+                ),
                 note,
             )
         return (

@@ -31,8 +31,11 @@ TIME_KEYS = ("step_ms_median", "replicate_ms_median")
 REPO = Path(__file__).resolve().parent.parent
 
 # NVLink multicast must stay off on the shared multi-GPU machines, also in processes we spawn.
-SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-            "NVSHMEM_DISABLE_NVLS": "1"}
+SAFE_ENV = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
 os.environ.update(SAFE_ENV)
 
 
@@ -44,8 +47,9 @@ def progress(message: str) -> None:
 
 def _run(cmd: Sequence[str]) -> str:
     try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=20,
-                              cwd=REPO).stdout.strip()
+        return subprocess.run(
+            cmd, capture_output=True, text=True, timeout=20, cwd=REPO
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return ""
 
@@ -66,7 +70,8 @@ def machine_info() -> dict[str, Any]:
         "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
         "gpu_count": torch.cuda.device_count() if torch.cuda.is_available() else 0,
         "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-        if torch.cuda.is_available() else [],
+        if torch.cuda.is_available()
+        else [],
         "torchdp_git_revision": git_revision(),
     }
     try:
@@ -109,8 +114,9 @@ def synchronize(devices: Iterable[torch.device]) -> None:
             torch.cuda.synchronize(d)
 
 
-def time_steps(step: Callable[[], Any], devices: Sequence[torch.device], warmup: int,
-               steps: int) -> list[float]:
+def time_steps(
+    step: Callable[[], Any], devices: Sequence[torch.device], warmup: int, steps: int
+) -> list[float]:
     """Milliseconds of each of `steps` calls of `step` after `warmup` calls, synchronising every
     device in `devices` around each call."""
     for _ in range(warmup):
@@ -150,8 +156,9 @@ def reset_peak_memory(devices: Iterable[torch.device]) -> None:
 
 def peak_memory_gib(devices: Iterable[torch.device]) -> list[float]:
     """Peak allocated memory per CUDA device since the last reset, in GiB ([] on the CPU)."""
-    return [round(torch.cuda.max_memory_allocated(d) / 2**30, 3) for d in devices
-            if d.type == "cuda"]
+    return [
+        round(torch.cuda.max_memory_allocated(d) / 2**30, 3) for d in devices if d.type == "cuda"
+    ]
 
 
 def validate_record(record: dict[str, Any]) -> None:
@@ -199,23 +206,36 @@ def default_devices(smoke: bool) -> list[torch.device]:
 
 
 def add_common_args(parser) -> None:
-    parser.add_argument("--smoke", action="store_true",
-                        help="tiny CPU run (CI): a few steps on small inputs, checks it all runs")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny CPU run (CI): a few steps on small inputs, checks it all runs",
+    )
     parser.add_argument("--out", required=True, help="JSON file to write")
-    parser.add_argument("--gpus", default=None,
-                        help="comma-separated GPU counts to compare, e.g. 1,2 (default: all)")
+    parser.add_argument(
+        "--gpus",
+        default=None,
+        help="comma-separated GPU counts to compare, e.g. 1,2 (default: all)",
+    )
 
 
-def add_timing_args(parser, *, warmup: tuple[int, int], steps: tuple[int, int],
-                    budget: tuple[float, float]) -> None:
+def add_timing_args(
+    parser, *, warmup: tuple[int, int], steps: tuple[int, int], budget: tuple[float, float]
+) -> None:
     """--warmup, --steps and --time-budget; each default is given as (full run, --smoke)."""
-    parser.add_argument("--warmup", type=int, default=None,
-                        help=f"warm-up steps ({warmup[0]}; smoke {warmup[1]})")
-    parser.add_argument("--steps", type=int, default=None,
-                        help=f"timed steps ({steps[0]}; smoke {steps[1]})")
-    parser.add_argument("--time-budget", type=float, default=None,
-                        help="seconds; configurations left after it are recorded as skipped "
-                        f"(default {budget[0]:.0f}; smoke {budget[1]:.0f})")
+    parser.add_argument(
+        "--warmup", type=int, default=None, help=f"warm-up steps ({warmup[0]}; smoke {warmup[1]})"
+    )
+    parser.add_argument(
+        "--steps", type=int, default=None, help=f"timed steps ({steps[0]}; smoke {steps[1]})"
+    )
+    parser.add_argument(
+        "--time-budget",
+        type=float,
+        default=None,
+        help="seconds; configurations left after it are recorded as skipped "
+        f"(default {budget[0]:.0f}; smoke {budget[1]:.0f})",
+    )
 
 
 @dataclass
@@ -232,8 +252,9 @@ class RunSettings:
     dev0: torch.device  # where the single-device mode and the inputs live
 
 
-def start_run(args, *, warmup: tuple[int, int], steps: tuple[int, int],
-              budget: tuple[float, float]) -> RunSettings:
+def start_run(
+    args, *, warmup: tuple[int, int], steps: tuple[int, int], budget: tuple[float, float]
+) -> RunSettings:
     """Resolves --smoke/--gpus/--warmup/--steps/--time-budget (defaults as (full, smoke)) and
     exits with a clear message when a full run finds no CUDA device."""
     smoke = bool(args.smoke)
@@ -261,8 +282,9 @@ def write_plain(path: str | os.PathLike[str], bench: str, records: list[dict[str
     of the suite (the profiles)."""
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"machine": machine_info(), "bench": bench, "records": records},
-                              indent=1) + "\n")
+    out.write_text(
+        json.dumps({"machine": machine_info(), "bench": bench, "records": records}, indent=1) + "\n"
+    )
     progress(f"wrote {out}")
     return out
 

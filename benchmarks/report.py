@@ -37,8 +37,18 @@ Record = dict[str, Any]
 
 # Display order of modes; unknown modes come after, in order of appearance.
 MODE_ORDER = [
-    "single", "torch_dp", "torch_dp_balanced", "libtorch_dp", "torchdp", "torchdp_serial",
-    "torchdp_balanced", "torchdp_functional", "ddp", "torch_replicate", "libtorch_replicate", "torchdp_replicate",
+    "single",
+    "torch_dp",
+    "torch_dp_balanced",
+    "libtorch_dp",
+    "torchdp",
+    "torchdp_serial",
+    "torchdp_balanced",
+    "torchdp_functional",
+    "ddp",
+    "torch_replicate",
+    "libtorch_replicate",
+    "torchdp_replicate",
 ]
 DTYPE_ORDER = ["fp32", "tf32", "bf16", "fp16"]
 CPP_BENCHES = ("cpp_train_step", "cpp_replicate")
@@ -48,8 +58,9 @@ REPLICATE_BENCHES = ("replicate", "replicate_curve", "cpp_replicate")
 # ---- loading ------------------------------------------------------------------------------------
 
 
-def load_results(paths: list[str]) -> tuple[dict[str, Any], list[dict[str, Any]], list[Record],
-                                             list[str]]:
+def load_results(
+    paths: list[str],
+) -> tuple[dict[str, Any], list[dict[str, Any]], list[Record], list[str]]:
     """(main machine block, further machine blocks, records, warnings)."""
     machine: dict[str, Any] = {}
     extra_machines: list[dict[str, Any]] = []
@@ -156,9 +167,15 @@ def ordered(records: Iterable[Record]) -> list[Record]:
         d = str(d)
         return (DTYPE_ORDER.index(d), "") if d in DTYPE_ORDER else (len(DTYPE_ORDER), d)
 
-    return sorted(records, key=lambda r: (models.index(r.get("model")), dtype_key(r.get("dtype")),
-                                          num(r.get("gpus")) or 0,
-                                          mode_key(str(r.get("mode")), seen)))
+    return sorted(
+        records,
+        key=lambda r: (
+            models.index(r.get("model")),
+            dtype_key(r.get("dtype")),
+            num(r.get("gpus")) or 0,
+            mode_key(str(r.get("mode")), seen),
+        ),
+    )
 
 
 def failed(r: Record) -> bool:
@@ -206,8 +223,11 @@ def grads_cell(r: Record) -> str:
 
 def machine_section(machine: dict[str, Any], extra: list[dict[str, Any]]) -> list[str]:
     gpus = machine.get("gpus") or []
-    gpu_text = f"{len(gpus)}x {gpus[0]}" if gpus and len(set(gpus)) == 1 else (
-        ", ".join(gpus) if gpus else "none (CPU)")
+    gpu_text = (
+        f"{len(gpus)}x {gpus[0]}"
+        if gpus and len(set(gpus)) == 1
+        else (", ".join(gpus) if gpus else "none (CPU)")
+    )
     rev = str(machine.get("torchdp_git_revision") or "—")
     rows = [
         ("GPUs", gpu_text),
@@ -217,8 +237,13 @@ def machine_section(machine: dict[str, Any], extra: list[dict[str, Any]]) -> lis
         ("cuDNN", machine.get("cudnn")),
         ("NCCL", machine.get("nccl")),
         ("torchvision", machine.get("torchvision")),
-        ("torchdp", f"{machine.get('torchdp') or '—'} (CUDA {machine.get('torchdp_has_cuda')}, "
-                    f"NCCL {machine.get('torchdp_has_nccl')})" if machine else None),
+        (
+            "torchdp",
+            f"{machine.get('torchdp') or '—'} (CUDA {machine.get('torchdp_has_cuda')}, "
+            f"NCCL {machine.get('torchdp_has_nccl')})"
+            if machine
+            else None,
+        ),
         ("torchdp revision", rev[:12] if len(rev) == 40 else rev),
         ("Python", machine.get("python")),
         ("Platform", machine.get("platform")),
@@ -251,10 +276,16 @@ def train_section(records: list[Record]) -> list[str]:
         t = time_of(r)
         if is_ddp(str(r.get("mode"))) and t:
             ddp[(r.get("bench"), r.get("model"), r.get("dtype"), r.get("gpus"))] = t
-    lines = ["## Training steps", "",
-             ("Median of the timed steps (zero_grad, forward, loss, backward, optimizer step); "
-             "p10–p90 spread; speedup = one-GPU time / time; vs DDP = DDP time / time "
-             "(above 1: faster than DDP, below 1: slower)."), ""]
+    lines = [
+        "## Training steps",
+        "",
+        (
+            "Median of the timed steps (zero_grad, forward, loss, backward, optimizer step); "
+            "p10–p90 spread; speedup = one-GPU time / time; vs DDP = DDP time / time "
+            "(above 1: faster than DDP, below 1: slower)."
+        ),
+        "",
+    ]
     rows = []
     for r in ordered(ok):
         ratio = num(r.get("ratio_to_ddp"))
@@ -263,23 +294,58 @@ def train_section(records: list[Record]) -> list[str]:
             t = time_of(r)
             ratio = ref / t if ref and t and not is_ddp(str(r.get("mode"))) else None
         ratio = "—" if ratio is None or is_ddp(str(r.get("mode"))) else f"{ratio:.2f}"
-        rows.append([r.get("model"), r.get("dtype"), r.get("mode"), gpus_cell(r),
-                     fmt_ms(r.get("step_ms_median")), spread(r, "step_ms"),
-                     fmt_x(r.get("speedup_vs_single")), ratio, fmt_gib(r.get("peak_mem_gib")),
-                     grads_cell(r)])
-    lines += table(["model", "dtype", "mode", "gpus", "median ms", "p10–p90 ms",
-                    "speedup vs single", "vs DDP", "peak GiB per GPU", "grads match"], rows)
+        rows.append(
+            [
+                r.get("model"),
+                r.get("dtype"),
+                r.get("mode"),
+                gpus_cell(r),
+                fmt_ms(r.get("step_ms_median")),
+                spread(r, "step_ms"),
+                fmt_x(r.get("speedup_vs_single")),
+                ratio,
+                fmt_gib(r.get("peak_mem_gib")),
+                grads_cell(r),
+            ]
+        )
+    lines += table(
+        [
+            "model",
+            "dtype",
+            "mode",
+            "gpus",
+            "median ms",
+            "p10–p90 ms",
+            "speedup vs single",
+            "vs DDP",
+            "peak GiB per GPU",
+            "grads match",
+        ],
+        rows,
+    )
     return lines
 
 
 def memory_section(records: list[Record]) -> list[str]:
-    mem = [r for r in records if not failed(r) and isinstance(r.get("peak_mem_gib"), list)
-           and r["peak_mem_gib"] and r.get("bench") not in REPLICATE_BENCHES]
+    mem = [
+        r
+        for r in records
+        if not failed(r)
+        and isinstance(r.get("peak_mem_gib"), list)
+        and r["peak_mem_gib"]
+        and r.get("bench") not in REPLICATE_BENCHES
+    ]
     if not mem:
         return []
-    lines = ["## Peak memory", "",
-             ("Peak allocated memory per GPU (GiB) during the timed steps; GPU0/GPU1 > 1 means the "
-             "first GPU carries more (gathered outputs, the original module)."), ""]
+    lines = [
+        "## Peak memory",
+        "",
+        (
+            "Peak allocated memory per GPU (GiB) during the timed steps; GPU0/GPU1 > 1 means the "
+            "first GPU carries more (gathered outputs, the original module)."
+        ),
+        "",
+    ]
     rows = []
     for r in ordered(mem):
         peaks = [num(v) for v in r["peak_mem_gib"]]
@@ -287,10 +353,20 @@ def memory_section(records: list[Record]) -> list[str]:
         if ratio is None and len(peaks) >= 2 and peaks[0] is not None and peaks[1]:
             ratio = peaks[0] / peaks[1]
         ratio = "—" if ratio is None else f"{ratio:.2f}"
-        rows.append([r.get("bench"), r.get("model"), r.get("dtype"), r.get("mode"), gpus_cell(r),
-                     fmt_gib(r["peak_mem_gib"]), ratio])
-    lines += table(["bench", "model", "dtype", "mode", "gpus", "peak GiB per GPU", "GPU0/GPU1"],
-                   rows)
+        rows.append(
+            [
+                r.get("bench"),
+                r.get("model"),
+                r.get("dtype"),
+                r.get("mode"),
+                gpus_cell(r),
+                fmt_gib(r["peak_mem_gib"]),
+                ratio,
+            ]
+        )
+    lines += table(
+        ["bench", "model", "dtype", "mode", "gpus", "peak GiB per GPU", "GPU0/GPU1"], rows
+    )
     return lines
 
 
@@ -317,18 +393,44 @@ def replicate_section(records: list[Record]) -> list[str]:
             speed = time_of(t) / time_of(d)
         floor = num(d.get("broadcast_ms_median", t.get("broadcast_ms_median")))
         bound = num(d.get("bound_vs_torch", t.get("bound_vs_torch")))
-        rows.append([model, gpus, d.get("modules", t.get("modules")), fmt_ms(time_of(t)),
-                     fmt_ms(time_of(d)), fmt_x(speed), fmt_ms(floor), fmt_x(bound)])
+        rows.append(
+            [
+                model,
+                gpus,
+                d.get("modules", t.get("modules")),
+                fmt_ms(time_of(t)),
+                fmt_ms(time_of(d)),
+                fmt_x(speed),
+                fmt_ms(floor),
+                fmt_x(bound),
+            ]
+        )
     if rows:
-        lines += ["## Replicate", "",
-                  ("One differentiable `replicate()` onto all GPUs (median ms): "
-                  "`torch.nn.parallel.replicate` vs `torchdp.replicate`; speedup = torch / torchdp. "
-                  "Broadcast only: the parameters and buffers broadcast alone, the transfer every "
-                  "replicate pays; bound = torch / broadcast only, the most any replicate could "
-                  "gain over torch's here."),
-                  ""]
-        lines += table(["model", "gpus", "modules", "torch ms", "torchdp ms", "speedup",
-                        "broadcast only ms", "bound"], rows)
+        lines += [
+            "## Replicate",
+            "",
+            (
+                "One differentiable `replicate()` onto all GPUs (median ms): "
+                "`torch.nn.parallel.replicate` vs `torchdp.replicate`; speedup = torch / torchdp. "
+                "Broadcast only: the parameters and buffers broadcast alone, the transfer every "
+                "replicate pays; bound = torch / broadcast only, the most any replicate could "
+                "gain over torch's here."
+            ),
+            "",
+        ]
+        lines += table(
+            [
+                "model",
+                "gpus",
+                "modules",
+                "torch ms",
+                "torchdp ms",
+                "speedup",
+                "broadcast only ms",
+                "bound",
+            ],
+            rows,
+        )
 
     groups = pivot(records, "replicate_curve")
     rows = []
@@ -342,13 +444,38 @@ def replicate_section(records: list[Record]) -> list[str]:
         mods = _modules(modes)
         per_t = f"{1e3 * time_of(t) / mods:.1f}" if time_of(t) and mods else "—"
         per_d = f"{1e3 * time_of(d) / mods:.1f}" if time_of(d) and mods else "—"
-        rows.append([model, gpus, mods or "—", fmt_ms(time_of(t)), fmt_ms(time_of(d)),
-                     fmt_x(speed), per_t, per_d])
+        rows.append(
+            [
+                model,
+                gpus,
+                mods or "—",
+                fmt_ms(time_of(t)),
+                fmt_ms(time_of(d)),
+                fmt_x(speed),
+                per_t,
+                per_d,
+            ]
+        )
     if rows:
-        lines += ["## Replicate time vs module count", "",
-                  "`nn.Sequential` of k `Linear(16, 16)`; modules = len(list(net.modules())).", ""]
-        lines += table(["model", "gpus", "modules", "torch ms", "torchdp ms", "speedup",
-                        "torch µs/module", "torchdp µs/module"], rows)
+        lines += [
+            "## Replicate time vs module count",
+            "",
+            "`nn.Sequential` of k `Linear(16, 16)`; modules = len(list(net.modules())).",
+            "",
+        ]
+        lines += table(
+            [
+                "model",
+                "gpus",
+                "modules",
+                "torch ms",
+                "torchdp ms",
+                "speedup",
+                "torch µs/module",
+                "torchdp µs/module",
+            ],
+            rows,
+        )
     return lines
 
 
@@ -367,31 +494,73 @@ def cpp_section(records: list[Record]) -> list[str]:
         return []
     lines = ["## C++ (LibTorch)", ""]
     if train:
-        lines += [("Training steps: one device, LibTorch's `torch::nn::parallel::data_parallel`, "
-                  "`torchdp::DataParallel` and `torchdp::data_parallel`. First-step loss: the same "
-                  "value across modes means the same computation (BatchNorm models differ under "
-                  "data parallelism: per-replica batch statistics)."), ""]
-        rows = [[r.get("model"), r.get("mode"), r.get("gpus"), fmt_ms(r.get("step_ms_median")),
-                 spread(r, "step_ms"), fmt_x(r.get("speedup_vs_single")),
-                 fmt_x(r.get("speedup_vs_libtorch")), fmt_gib(r.get("peak_mem_gib")),
-                 f"{num(r['loss_first']):.6g}" if num(r.get("loss_first")) is not None else "—"]
-                for r in ordered(train)]
-        lines += table(["model", "mode", "gpus", "median ms", "p10–p90 ms", "speedup vs single",
-                        "vs LibTorch", "peak GiB per GPU", "first-step loss"], rows)
+        lines += [
+            (
+                "Training steps: one device, LibTorch's `torch::nn::parallel::data_parallel`, "
+                "`torchdp::DataParallel` and `torchdp::data_parallel`. First-step loss: the same "
+                "value across modes means the same computation (BatchNorm models differ under "
+                "data parallelism: per-replica batch statistics)."
+            ),
+            "",
+        ]
+        rows = [
+            [
+                r.get("model"),
+                r.get("mode"),
+                r.get("gpus"),
+                fmt_ms(r.get("step_ms_median")),
+                spread(r, "step_ms"),
+                fmt_x(r.get("speedup_vs_single")),
+                fmt_x(r.get("speedup_vs_libtorch")),
+                fmt_gib(r.get("peak_mem_gib")),
+                f"{num(r['loss_first']):.6g}" if num(r.get("loss_first")) is not None else "—",
+            ]
+            for r in ordered(train)
+        ]
+        lines += table(
+            [
+                "model",
+                "mode",
+                "gpus",
+                "median ms",
+                "p10–p90 ms",
+                "speedup vs single",
+                "vs LibTorch",
+                "peak GiB per GPU",
+                "first-step loss",
+            ],
+            rows,
+        )
     if rep:
-        lines += [("Replicate: one differentiable `replicate()` onto all devices "
-                  "(`torch::nn::parallel::replicate` deep-clones; `torchdp::replicate` refreshes "
-                  "cached replicas)."), ""]
-        rows = [[r.get("model"), r.get("mode"), r.get("gpus"), r.get("modules", "—"),
-                 fmt_ms(r.get("replicate_ms_median")), spread(r, "replicate_ms"),
-                 fmt_x(r.get("speedup_vs_libtorch"))] for r in ordered(rep)]
-        lines += table(["model", "mode", "gpus", "modules", "median ms", "p10–p90 ms",
-                        "vs LibTorch"], rows)
+        lines += [
+            (
+                "Replicate: one differentiable `replicate()` onto all devices "
+                "(`torch::nn::parallel::replicate` deep-clones; `torchdp::replicate` refreshes "
+                "cached replicas)."
+            ),
+            "",
+        ]
+        rows = [
+            [
+                r.get("model"),
+                r.get("mode"),
+                r.get("gpus"),
+                r.get("modules", "—"),
+                fmt_ms(r.get("replicate_ms_median")),
+                spread(r, "replicate_ms"),
+                fmt_x(r.get("speedup_vs_libtorch")),
+            ]
+            for r in ordered(rep)
+        ]
+        lines += table(
+            ["model", "mode", "gpus", "modules", "median ms", "p10–p90 ms", "vs LibTorch"], rows
+        )
     return lines
 
 
-def problems_section(records: list[Record], warnings: list[str],
-                     run_failures: list[Any]) -> list[str]:
+def problems_section(
+    records: list[Record], warnings: list[str], run_failures: list[Any]
+) -> list[str]:
     errors = [r for r in records if r.get("error")]
     skipped = [r for r in records if r.get("skipped") and not r.get("error")]
     lines: list[str] = []
@@ -399,13 +568,18 @@ def problems_section(records: list[Record], warnings: list[str],
         lines += ["## Failed configurations", ""]
         lines += [f"- run: {one_line(f)}" for f in run_failures]
         lines += [f"- report: {one_line(w)}" for w in warnings]
-        lines += [f"- {r.get('bench')} / {r.get('model')} / {r.get('dtype')} / {r.get('mode')} / "
-                  f"{r.get('gpus')} GPUs: {one_line(r.get('error'))}" for r in errors]
+        lines += [
+            f"- {r.get('bench')} / {r.get('model')} / {r.get('dtype')} / {r.get('mode')} / "
+            f"{r.get('gpus')} GPUs: {one_line(r.get('error'))}"
+            for r in errors
+        ]
         lines.append("")
     if skipped:
         lines += ["## Skipped configurations", ""]
-        lines += [f"- {r.get('bench')} / {r.get('model')} / {r.get('mode')}: "
-                  f"{one_line(r.get('skipped'))}" for r in skipped]
+        lines += [
+            f"- {r.get('bench')} / {r.get('model')} / {r.get('mode')}: {one_line(r.get('skipped'))}"
+            for r in skipped
+        ]
         lines.append("")
     return lines
 
@@ -414,8 +588,14 @@ def problems_section(records: list[Record], warnings: list[str],
 
 
 def plot_speedup(records: list[Record], machine: dict[str, Any], path: str) -> str | None:
-    bars = [r for r in records if not failed(r) and num(r.get("speedup_vs_single")) is not None
-            and "step_ms_median" in r and str(r.get("mode")) != "single"]
+    bars = [
+        r
+        for r in records
+        if not failed(r)
+        and num(r.get("speedup_vs_single")) is not None
+        and "step_ms_median" in r
+        and str(r.get("mode")) != "single"
+    ]
     if not bars:
         return None
     import matplotlib
@@ -427,6 +607,7 @@ def plot_speedup(records: list[Record], machine: dict[str, Any], path: str) -> s
     modes: list[str] = []
     seen: list[str] = []
     values: dict[tuple[str, str], float] = {}
+
     # A mode measured at several GPU counts gets one bar per count.
     def devices_of(r: Record) -> int:  # smoke runs: 0 GPUs, n CPU replicas
         return int(num(r.get("gpus")) or num(r.get("replicas")) or 0)
@@ -465,19 +646,36 @@ def plot_speedup(records: list[Record], machine: dict[str, Any], path: str) -> s
             y = values[(g, m)]
             ax.bar([x], [y], width, color=colors[m], label=None if m in labelled else m)
             labelled.add(m)
-            ax.annotate(f"{y:.2f}", (x, y), ha="center", va="bottom", fontsize=6.5,
-                        xytext=(0, 1), textcoords="offset points")
+            ax.annotate(
+                f"{y:.2f}",
+                (x, y),
+                ha="center",
+                va="bottom",
+                fontsize=6.5,
+                xytext=(0, 1),
+                textcoords="offset points",
+            )
     ax.axhline(1.0, color="black", linestyle="--", linewidth=1, label="one GPU (1.0)")
     if n_gpus > 1:
-        ax.axhline(float(n_gpus), color="gray", linestyle="--", linewidth=1,
-                   label=f"{n_gpus} devices, ideal ({n_gpus}.0)")
+        ax.axhline(
+            float(n_gpus),
+            color="gray",
+            linestyle="--",
+            linewidth=1,
+            label=f"{n_gpus} devices, ideal ({n_gpus}.0)",
+        )
     ax.set_xticks(range(len(groups)))
     ax.set_xticklabels(groups, fontsize=8)
     ax.set_ylabel("speedup over one GPU")
     title = machine_name_text(machine)
     ax.set_title(f"Training-step speedup over one GPU{title}")
-    ax.legend(fontsize=8, ncol=min(4, len(modes) + 2), loc="upper center",
-              bbox_to_anchor=(0.5, -0.14), frameon=False)
+    ax.legend(
+        fontsize=8,
+        ncol=min(4, len(modes) + 2),
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.14),
+        frameon=False,
+    )
     ax.set_ylim(0, max([n_gpus * 1.15, 1.3] + [v * 1.15 for v in values.values()]))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -486,8 +684,14 @@ def plot_speedup(records: list[Record], machine: dict[str, Any], path: str) -> s
 
 
 def plot_replicate(records: list[Record], machine: dict[str, Any], path: str) -> str | None:
-    curve = [r for r in records if r.get("bench") == "replicate_curve" and not failed(r)
-             and time_of(r) and num(r.get("modules"))]
+    curve = [
+        r
+        for r in records
+        if r.get("bench") == "replicate_curve"
+        and not failed(r)
+        and time_of(r)
+        and num(r.get("modules"))
+    ]
     if not curve:
         return None
     import matplotlib
@@ -499,8 +703,16 @@ def plot_replicate(records: list[Record], machine: dict[str, Any], path: str) ->
     seen: list[str] = []
     modes = sorted({str(r.get("mode")) for r in curve}, key=lambda m: mode_key(m, seen))
     for m in modes:
-        pts = sorted((num(r["modules"]), time_of(r), num(r.get("replicate_ms_p10")),
-                      num(r.get("replicate_ms_p90"))) for r in curve if str(r.get("mode")) == m)
+        pts = sorted(
+            (
+                num(r["modules"]),
+                time_of(r),
+                num(r.get("replicate_ms_p10")),
+                num(r.get("replicate_ms_p90")),
+            )
+            for r in curve
+            if str(r.get("mode")) == m
+        )
         xs = [p[0] for p in pts]
         ys = [p[1] for p in pts]
         ax.plot(xs, ys, marker="o", label=m)
@@ -523,8 +735,14 @@ def plot_replicate(records: list[Record], machine: dict[str, Any], path: str) ->
 def plot_scaling(records: list[Record], machine: dict[str, Any], path: str) -> str | None:
     """Speedup over one GPU against the GPU count (1, 2, 4, 8, ...), one panel per model and dtype
     of the train-step benchmark, one line per multi-GPU mode, with the ideal speedup dashed."""
-    train = [r for r in records if r.get("bench") == "train_step" and not failed(r)
-             and num(r.get("speedup_vs_single")) is not None and not r.get("smoke")]
+    train = [
+        r
+        for r in records
+        if r.get("bench") == "train_step"
+        and not failed(r)
+        and num(r.get("speedup_vs_single")) is not None
+        and not r.get("smoke")
+    ]
     panels: OrderedDict[tuple[str, str], dict[str, dict[int, float]]] = OrderedDict()
     for r in train:
         key = (str(r.get("model")), str(r.get("dtype")))
@@ -559,7 +777,7 @@ def plot_scaling(records: list[Record], machine: dict[str, Any], path: str) -> s
         ax.set_xlabel("GPUs")
         ax.set_ylabel("speedup over one GPU")
         ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(panels):]:
+    for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
     axes.flat[0].legend(fontsize=8)
     fig.suptitle(f"Scaling with the GPU count{machine_name_text(machine)}")
@@ -600,10 +818,11 @@ def render(paths: list[str], md_path: str, plot_prefix: str | None) -> str:
     plots: list[tuple[str, str]] = []
     if plot_prefix:
         Path(plot_prefix).parent.mkdir(parents=True, exist_ok=True)
-        for title, fn, suffix in (("Speedup over one GPU", plot_speedup, "speedup"),
-                                  ("Replicate time vs module count", plot_replicate,
-                                   "replicate"),
-                                  ("Scaling with the GPU count", plot_scaling, "scaling")):
+        for title, fn, suffix in (
+            ("Speedup over one GPU", plot_speedup, "speedup"),
+            ("Replicate time vs module count", plot_replicate, "replicate"),
+            ("Scaling with the GPU count", plot_scaling, "scaling"),
+        ):
             path = f"{plot_prefix}-{suffix}.png"
             try:
                 out = fn(records, machine, path)
@@ -618,8 +837,13 @@ def render(paths: list[str], md_path: str, plot_prefix: str | None) -> str:
 
     lines = [f"# torchdp benchmarks{machine_name_text(machine)}", ""]
     if smoke:
-        lines += [("**Smoke run**: tiny models on CPU device lists; the timings check that "
-                  "everything runs and mean nothing."), ""]
+        lines += [
+            (
+                "**Smoke run**: tiny models on CPU device lists; the timings check that "
+                "everything runs and mean nothing."
+            ),
+            "",
+        ]
     lines += [f"Source: {', '.join(f'`{p}`' for p in paths)}; {len(records)} records.", ""]
     lines += machine_section(machine, extra)
     for section in (train_section, memory_section, replicate_section, cpp_section):
@@ -631,8 +855,9 @@ def render(paths: list[str], md_path: str, plot_prefix: str | None) -> str:
             rel = os.path.relpath(Path(p).resolve(), md_dir)
             lines += [f"![{title}]({rel})", ""]
     run_failures = machine.get("failures")
-    lines += problems_section(records, warnings,
-                              run_failures if isinstance(run_failures, list) else [])
+    lines += problems_section(
+        records, warnings, run_failures if isinstance(run_failures, list) else []
+    )
     text = "\n".join(lines).rstrip() + "\n"
     Path(md_path).parent.mkdir(parents=True, exist_ok=True)
     Path(md_path).write_text(text)
@@ -640,13 +865,18 @@ def render(paths: list[str], md_path: str, plot_prefix: str | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog=__doc__.split("\n\n", 1)[1])
-    parser.add_argument("results", nargs="+", help="results JSON file(s); the first is the main one")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
+    parser.add_argument(
+        "results", nargs="+", help="results JSON file(s); the first is the main one"
+    )
     parser.add_argument("--md", default=None, help="Markdown file to write (default: RESULTS.md)")
-    parser.add_argument("--plots", default=None,
-                        help="prefix of the PNG plots (default: RESULTS without suffix)")
+    parser.add_argument(
+        "--plots", default=None, help="prefix of the PNG plots (default: RESULTS without suffix)"
+    )
     parser.add_argument("--no-plots", action="store_true", help="write no plots")
     args = parser.parse_args(argv)
     first = Path(args.results[0])

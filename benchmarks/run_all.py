@@ -46,8 +46,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny CPU run of every benchmark")
     parser.add_argument("--gpus", default=None, help="GPU counts to compare, e.g. 1,2")
-    parser.add_argument("--only", default=",".join([*PY_BENCHES, "cpp"]),
-                        help="comma-separated subset of train_step,memory,replicate,cpp")
+    parser.add_argument(
+        "--only",
+        default=",".join([*PY_BENCHES, "cpp"]),
+        help="comma-separated subset of train_step,memory,replicate,cpp",
+    )
     parser.add_argument("--cpp-bin", default=None, help="the torchdp_bench_cpp executable")
     parser.add_argument("--out-dir", default=str(HERE / "results"))
     parser.add_argument("--name", default=None, help="file stem (default <date>-<machine>)")
@@ -60,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ, **common.SAFE_ENV)
     env["TORCHDP_GIT_REV"] = common.git_revision()
     env["PYTHONPATH"] = os.pathsep.join(
-        [str(HERE), str(HERE.parent / "python"), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        [str(HERE), str(HERE.parent / "python"), env.get("PYTHONPATH", "")]
+    ).rstrip(os.pathsep)
 
     machine = common.machine_info()
     records: list[dict] = []
@@ -70,8 +74,10 @@ def main(argv: list[str] | None = None) -> int:
             out = Path(tmp) / f"{name}.json"
             if name == "cpp":
                 if not args.cpp_bin or not Path(args.cpp_bin).exists():
-                    failures.append(f"cpp: executable {args.cpp_bin!r} not found (build it with "
-                                    "-DTORCHDP_BUILD_BENCHMARKS=ON)")
+                    failures.append(
+                        f"cpp: executable {args.cpp_bin!r} not found (build it with "
+                        "-DTORCHDP_BUILD_BENCHMARKS=ON)"
+                    )
                     continue
                 cmd = [args.cpp_bin, "--out", str(out)] + (["--smoke"] if args.smoke else [])
             else:
@@ -97,9 +103,18 @@ def main(argv: list[str] | None = None) -> int:
     result = out_dir / f"{stem}.json"
     result.write_text(json.dumps({"machine": machine, "records": records}, indent=1))
     common.progress(f"wrote {len(records)} records to {result}")
-    rc = subprocess.call([sys.executable, str(HERE / "report.py"), str(result),
-                          "--md", str(out_dir / f"{stem}.md"),
-                          "--plots", str(out_dir / stem)], env=env)
+    rc = subprocess.call(
+        [
+            sys.executable,
+            str(HERE / "report.py"),
+            str(result),
+            "--md",
+            str(out_dir / f"{stem}.md"),
+            "--plots",
+            str(out_dir / stem),
+        ],
+        env=env,
+    )
     if rc != 0:
         failures.append(f"report: exit status {rc}")
     for failure in failures:

@@ -52,8 +52,9 @@ class MaskedLinear(nn.Linear):
 
 
 def make_model() -> nn.Module:
-    return nn.Sequential(nn.Linear(16, 64), nn.Tanh(), MaskedLinear(64, 32), nn.Tanh(),
-                         MaskedLinear(32, 1))
+    return nn.Sequential(
+        nn.Linear(16, 64), nn.Tanh(), MaskedLinear(64, 32), nn.Tanh(), MaskedLinear(32, 1)
+    )
 
 
 def parse_devices(text: str | None) -> list[torch.device]:
@@ -69,8 +70,10 @@ def progress(step: int, total: int, loss_dp: float, loss_single: float, started:
     done = int(width * step / total)
     bar = "#" * done + "-" * (width - done)
     rate = step / max(time.perf_counter() - started, 1e-9)
-    sys.stdout.write(f"\r[{bar}] {step:4d}/{total}  loss {loss_dp:.4f} (dp) {loss_single:.4f} "
-                     f"(single)  {rate:6.1f} steps/s")
+    sys.stdout.write(
+        f"\r[{bar}] {step:4d}/{total}  loss {loss_dp:.4f} (dp) {loss_single:.4f} "
+        f"(single)  {rate:6.1f} steps/s"
+    )
     sys.stdout.flush()
     if step == total:
         sys.stdout.write("\n")
@@ -85,8 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps <= 0 or args.batch <= 0:
         parser.error("--steps and --batch must be positive")
     devices = parse_devices(args.devices)
-    print(f"torchdp {torchdp.__version__}: training on {[str(d) for d in devices]} "
-          f"({args.steps} steps, batch {args.batch})")
+    print(
+        f"torchdp {torchdp.__version__}: training on {[str(d) for d in devices]} "
+        f"({args.steps} steps, batch {args.batch})"
+    )
 
     torch.manual_seed(0)
     single = make_model().to(devices[0])
@@ -113,21 +118,33 @@ def main(argv: list[str] | None = None) -> int:
                 losses.append(loss.item())
             if step % max(1, args.steps // 50) == 0 or step == args.steps:
                 progress(step, args.steps, losses[0], losses[1], started)
-    repaired = {str(w.message).split(":")[1].strip() for w in caught
-                if "did not store the replica's" in str(w.message)}
+    repaired = {
+        str(w.message).split(":")[1].strip()
+        for w in caught
+        if "did not store the replica's" in str(w.message)
+    }
     for note in sorted(repaired):
         print(f"note: torchdp repaired a swallowed assignment: {note.split(' did not')[0]}")
 
-    max_diff = max((a - b).abs().max().item()
-                   for a, b in zip(parallel_model.parameters(), single.parameters()))
-    masks_kept = all(torch.equal(a.mask, b.mask) for a, b in
-                     zip((m for m in parallel_model.modules() if isinstance(m, MaskedLinear)),
-                         (m for m in single.modules() if isinstance(m, MaskedLinear))))
+    max_diff = max(
+        (a - b).abs().max().item() for a, b in zip(parallel_model.parameters(), single.parameters())
+    )
+    masks_kept = all(
+        torch.equal(a.mask, b.mask)
+        for a, b in zip(
+            (m for m in parallel_model.modules() if isinstance(m, MaskedLinear)),
+            (m for m in single.modules() if isinstance(m, MaskedLinear)),
+        )
+    )
     if max_diff <= 1e-4 and masks_kept:
-        print(f"OK: DataParallel weights match single-device training (max abs diff {max_diff:.2e})")
+        print(
+            f"OK: DataParallel weights match single-device training (max abs diff {max_diff:.2e})"
+        )
         return 0
-    print(f"FAIL: weights differ from single-device training (max abs diff {max_diff:.2e}, "
-          f"masks unchanged: {masks_kept})")
+    print(
+        f"FAIL: weights differ from single-device training (max abs diff {max_diff:.2e}, "
+        f"masks unchanged: {masks_kept})"
+    )
     return 1
 
 

@@ -127,9 +127,7 @@ class DataParallelCriterion(nn.Module):
         if targets or kwargs:
             split_targets, split_kwargs = scatter_kwargs(targets, kwargs, devices, self.dim)
             if len(split_targets) != n:
-                sizes = [
-                    t.shape[self.dim] for t in targets if isinstance(t, torch.Tensor)
-                ][:1]
+                sizes = [t.shape[self.dim] for t in targets if isinstance(t, torch.Tensor)][:1]
                 raise ValueError(
                     f"{_API}: the targets split into {len(split_targets)} chunks along dim "
                     f"{self.dim} (batch size {sizes[0] if sizes else '?'}), but there are {n} "

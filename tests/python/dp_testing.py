@@ -360,7 +360,9 @@ def assert_steps_match_eager(
         ref.square().sum().backward()
         torch.testing.assert_close(out, ref, msg=f"step {step}", **tol)
         for (name, p), q in zip(net.named_parameters(), eager.parameters(), strict=True):
-            torch.testing.assert_close(p.grad, q.grad, msg=f"step {step}, gradient of {name}", **tol)
+            torch.testing.assert_close(
+                p.grad, q.grad, msg=f"step {step}, gradient of {name}", **tol
+            )
 
 
 def assert_gpu_bound_buckets_ordered(
@@ -387,5 +389,6 @@ def assert_gpu_bound_buckets_ordered(
         net.zero_grad(set_to_none=False)
         dp(x).square().mean().backward()
         for (name, p), q in zip(net.named_parameters(), ref.parameters(), strict=True):
-            torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-6,
-                                       msg=f"attempt {attempt}, gradient of {name}")
+            torch.testing.assert_close(
+                p.grad, q.grad, rtol=1e-3, atol=1e-6, msg=f"attempt {attempt}, gradient of {name}"
+            )

@@ -21,13 +21,28 @@ import common  # noqa: E402
 def test_run_all_smoke_writes_valid_results(tmp_path):
     cpp = os.environ.get("TORCHDP_BENCH_CPP")
     if not cpp or not Path(cpp).exists():
-        pytest.skip("TORCHDP_BENCH_CPP does not name the built torchdp_bench_cpp (make test sets it)")
+        pytest.skip(
+            "TORCHDP_BENCH_CPP does not name the built torchdp_bench_cpp (make test sets it)"
+        )
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO / "python"), env.get("PYTHONPATH", "")])
     proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "run_all.py"), "--smoke", "--cpp-bin", cpp,
-         "--out-dir", str(tmp_path), "--name", "ci"],
-        env=env, capture_output=True, text=True, timeout=900)
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "run_all.py"),
+            "--smoke",
+            "--cpp-bin",
+            cpp,
+            "--out-dir",
+            str(tmp_path),
+            "--name",
+            "ci",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     data = common.load(tmp_path / "ci-smoke.json")
     benches = {r["bench"] for r in data["records"]}
@@ -48,9 +63,18 @@ def test_run_all_smoke_writes_valid_results(tmp_path):
 def test_results_validation_rejects_incomplete_records():
     with pytest.raises(ValueError, match="lacks"):
         common.validate_record({"bench": "train_step", "model": "mlp200"})
-    common.validate_record({"bench": "x", "model": "m", "mode": "torchdp", "gpus": 2,
-                            "dtype": "fp32", "speedup_vs_single": None, "peak_mem_gib": [],
-                            "step_ms_median": 1.0})
+    common.validate_record(
+        {
+            "bench": "x",
+            "model": "m",
+            "mode": "torchdp",
+            "gpus": 2,
+            "dtype": "fp32",
+            "speedup_vs_single": None,
+            "peak_mem_gib": [],
+            "step_ms_median": 1.0,
+        }
+    )
 
 
 def test_profile_step_smoke_records_every_phase(tmp_path):
@@ -58,9 +82,22 @@ def test_profile_step_smoke_records_every_phase(tmp_path):
     env["PYTHONPATH"] = os.pathsep.join([str(REPO / "python"), env.get("PYTHONPATH", "")])
     out = tmp_path / "profile.json"
     proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "profile_step.py"), "--smoke", "--models",
-         "mlp200", "--steps", "2", "--out", str(out)],
-        env=env, capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "profile_step.py"),
+            "--smoke",
+            "--models",
+            "mlp200",
+            "--steps",
+            "2",
+            "--out",
+            str(out),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     data = json.loads(out.read_text())
     (rec,) = data["records"]
@@ -73,8 +110,15 @@ def test_profile_step_smoke_records_every_phase(tmp_path):
     assert set(wall) == {"forward", *phases}
     assert all(v > 0 for v in wall.values()), wall
     # The DataParallel call contains replicate .. gather.
-    inner = sum(wall[p] for p in ("DataParallel.replicate", "DataParallel.scatter",
-                                  "DataParallel.parallel_apply", "DataParallel.gather"))
+    inner = sum(
+        wall[p]
+        for p in (
+            "DataParallel.replicate",
+            "DataParallel.scatter",
+            "DataParallel.parallel_apply",
+            "DataParallel.gather",
+        )
+    )
     assert wall["forward"] >= inner
     one = rec["single_device"]
     assert one["step_ms_median"] > 0
@@ -90,10 +134,20 @@ def test_profile_step_rejects_bad_device_ids():
     env["PYTHONPATH"] = os.pathsep.join([str(REPO / "python"), env.get("PYTHONPATH", "")])
     script = str(REPO / "benchmarks" / "profile_step.py")
     for ids, expected in [("0,x", "comma-separated integers"), ("99,99", "--device-ids needs")]:
-        proc = subprocess.run([sys.executable, script, "--device-ids", ids], env=env,
-                              capture_output=True, text=True, timeout=120)
+        proc = subprocess.run(
+            [sys.executable, script, "--device-ids", ids],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert proc.returncode == 2, proc.stdout + proc.stderr
         assert expected in proc.stderr, proc.stderr
-    proc = subprocess.run([sys.executable, script, "--device-ids", "0,0", "--smoke"], env=env,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, script, "--device-ids", "0,0", "--smoke"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and "replaces --gpus and --smoke" in proc.stderr

@@ -174,8 +174,12 @@ def test_compiling_the_data_parallel_itself_runs():
     net = Net()
     eager = clone_module(net)
     dp = torchdp.DataParallel(net, devices=cpu_devices(2))
-    assert_steps_match_eager(torch.compile(dp, backend=CountingBackend()), net, eager,
-                             [torch.randn(6, 8) for _ in range(2)])
+    assert_steps_match_eager(
+        torch.compile(dp, backend=CountingBackend()),
+        net,
+        eager,
+        [torch.randn(6, 8) for _ in range(2)],
+    )
 
 
 def test_compiled_submodule():
@@ -212,8 +216,11 @@ def test_unreplicatable_compile_wrapper_is_refused_without_touching_the_original
     wrapper = torch.compile(net, backend=CountingBackend())
     wrapper.__class__ = OwnReplicate
     before = dict(net.__dict__)
-    with pytest.raises(RuntimeError, match=r"cannot replicate the torch\.compile wrapper "
-                       r".*OwnReplicate: .*wrapper\._orig_mod"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"cannot replicate the torch\.compile wrapper "
+        r".*OwnReplicate: .*wrapper\._orig_mod",
+    ):
         torchdp.replicate(wrapper, cpu_devices(2))
     assert net.__dict__.keys() == before.keys()
     assert all(net.__dict__[k] is v for k, v in before.items())

@@ -136,9 +136,10 @@ def test_structured_outputs_and_targets():
 
     def loss(out, targets):
         logits, aux = out
-        return nn.functional.cross_entropy(logits, targets["label"]) + (
-            aux - targets["aux"]
-        ).pow(2).mean()
+        return (
+            nn.functional.cross_entropy(logits, targets["label"])
+            + (aux - targets["aux"]).pow(2).mean()
+        )
 
     x = torch.randn(9, 4)
     targets = {"label": torch.randint(0, 3, (9,)), "aux": torch.randn(9, 3)}

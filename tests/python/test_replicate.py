@@ -392,8 +392,15 @@ def slow_path():
         lambda: nn.Sequential(nn.utils.parametrizations.spectral_norm(nn.Linear(3, 3))),
         lambda: nn.Sequential(nn.utils.parametrizations.weight_norm(nn.Linear(3, 3))),
     ],
-    ids=["sequential", "shared", "transformer", "with-lstm", "parametrized", "spectral-norm",
-         "weight-norm"],
+    ids=[
+        "sequential",
+        "shared",
+        "transformer",
+        "with-lstm",
+        "parametrized",
+        "spectral-norm",
+        "weight-norm",
+    ],
 )
 def test_fast_replicas_equal_pytorch_built_replicas(make, detach, request):
     torch.manual_seed(0)
