@@ -566,6 +566,34 @@ void recompile_replicas(const Network& net, const std::vector<py::list>& copies)
   }
 }
 
+// Note [No garbage collection while replicas are built]
+// Building the replicas creates a few container objects per module and device (the module object,
+// its __dict__, _parameters, _buffers, _modules, hook dictionaries...): thousands for a model of a
+// few hundred modules. Every 700 of them CPython collects its youngest generation, every tenth of
+// those the middle one, and now and then it makes a full collection over every object of the
+// process (torch has hundreds of thousands), while nothing built here can be garbage yet. So
+// automatic collection is paused while the replicas are built and resumed afterwards (only if it
+// was on: a program that turned it off keeps it off). The new objects still count towards the next
+// collection, which then runs once, later, instead of several times in here. Measured on this
+// project's 2-core CPU machine, 300 calls of torchdp.replicate onto two CPU devices, small tensors:
+// median unchanged (1000 x Linear: 4.29 -> 4.25 ms; 200-layer MLP 1.11 -> 1.13 ms) and the slow
+// calls gone (1000 x Linear: mean 9.8 -> 4.7 ms, 90th percentile 39 -> 4.3 ms; MLP mean 1.8
+// -> 1.4).
+class PauseGarbageCollection {
+ public:
+  PauseGarbageCollection() : was_enabled_(PyGC_Disable() == 1) {}
+  ~PauseGarbageCollection() {
+    if (was_enabled_) {
+      PyGC_Enable();
+    }
+  }
+  PauseGarbageCollection(const PauseGarbageCollection&) = delete;
+  PauseGarbageCollection& operator=(const PauseGarbageCollection&) = delete;
+
+ private:
+  bool was_enabled_;
+};
+
 std::vector<py::list> replicate(py::object network, const std::vector<c10::Device>& devices_in,
                                 bool detach, std::optional<int64_t> grad_bucket_bytes) {
   if (devices_in.empty()) {
@@ -573,6 +601,7 @@ std::vector<py::list> replicate(py::object network, const std::vector<c10::Devic
   }
   const auto devices = normalize_devices(devices_in, kApi);
   const size_t n = devices.size();
+  const PauseGarbageCollection no_gc; // Note [No garbage collection while replicas are built]
 
   TypeTable types;
   const Network net = walk_network(network, types);

@@ -451,3 +451,23 @@ def test_replicas_follow_changes_between_calls():
     r = torchdp.replicate(net, cpu_devices(2))[1]
     assert r.d.scale == 4.0 and not r.training and not r.d.lin.training
     assert isinstance(r.new, nn.Linear) and r.new is not net.new
+
+
+def test_replicate_leaves_garbage_collection_as_it_was():
+    # Collection is paused while replicas are built (Note [No garbage collection while replicas
+    # are built]) and must come back exactly as it was, also after an error.
+    import gc
+
+    net = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    assert gc.isenabled()
+    torchdp.replicate(net, [CPU, CPU])
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        torchdp.replicate(net, [CPU, CPU])
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    with pytest.raises(RuntimeError, match="is on meta but the replicas are built from"):
+        torchdp.replicate(nn.Linear(2, 2, device="meta"), [CPU, CPU])
+    assert gc.isenabled()
