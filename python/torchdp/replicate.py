@@ -86,9 +86,14 @@ def _run_replication_callbacks(copies: list[list[nn.Module]]) -> None:
     # by all copies; the master copy (copy_id 0) of every module first, then replica 1, ...
     if not copies:
         return
-    callbacks = [
-        p for p, m in enumerate(copies[0]) if hasattr(type(m), "__data_parallel_replicate__")
-    ]
+    # One attribute lookup per class, not per module (hasattr on a missing class attribute is
+    # slow, and models have hundreds of modules of a few classes).
+    with_callback = {
+        cls for cls in {type(m) for m in copies[0]} if hasattr(cls, "__data_parallel_replicate__")
+    }
+    if not with_callback:
+        return
+    callbacks = [p for p, m in enumerate(copies[0]) if type(m) in with_callback]
     if not callbacks:
         return
     contexts = {p: CallbackContext() for p in callbacks}
