@@ -1,7 +1,9 @@
 """Full training steps: single GPU vs torch.nn.DataParallel vs torchdp.DataParallel vs DDP.
 
 Modes: ``single``, ``torch_dp``, ``torchdp``, ``torchdp_serial`` (``torchdp.DataParallel`` with
-``serial_forward=True``) and ``ddp``.
+``serial_forward=True``), ``torchdp_bucket_grads`` (``torchdp.DataParallel`` with the experimental
+``TORCHDP_GRAD_DELIVERY=bucket``: each gradient bucket's sums reach the parameters during the
+backward pass) and ``ddp``.
 
 One step is ``optimizer.zero_grad(set_to_none=True)``, forward, loss, backward, SGD step, for
 
@@ -39,7 +41,7 @@ import socket
 import sys
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -68,7 +70,9 @@ LR = 1e-3
 
 MODELS = ("resnet50", "transformer", "mlp200")
 DTYPES = ("fp32", "bf16")
-MODES = ("single", "torch_dp", "torchdp", "torchdp_serial", "ddp")
+MODES = ("single", "torch_dp", "torchdp", "torchdp_serial", "torchdp_bucket_grads", "ddp")
+# Environment of the in-process modes that differ from torchdp's defaults only there.
+MODE_ENVIRONMENT = {"torchdp_bucket_grads": {"TORCHDP_GRAD_DELIVERY": "bucket"}}
 
 # (batch, per-sample input shape, classes or None) -- full size and --smoke
 SHAPES = {
@@ -150,11 +154,13 @@ def wrap_data_parallel(
                 return _Passthrough(module), note
             return TorchDataParallel(module), note
         return TorchDataParallel(module, device_ids=list(range(gpus))), None
-    if impl in ("torchdp", "torchdp_serial"):
+    if impl in ("torchdp", "torchdp_serial", "torchdp_bucket_grads"):
         serial = impl == "torchdp_serial"
         note = (
             "serial_forward=True: replicas issued in order on the calling thread"
             if serial
+            else "TORCHDP_GRAD_DELIVERY=bucket (experimental)"
+            if impl == "torchdp_bucket_grads"
             else None
         )
         if smoke:
@@ -709,6 +715,22 @@ def grad_check(
     return result
 
 
+@contextlib.contextmanager
+def mode_environment(mode: str) -> Iterator[None]:
+    """The environment variables of `mode` (MODE_ENVIRONMENT), set while it runs."""
+    changes = MODE_ENVIRONMENT.get(mode, {})
+    saved = {k: os.environ.get(k) for k in changes}
+    os.environ.update(changes)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def run_local_mode(
     mode: str,
     name: str,
@@ -737,7 +759,8 @@ def run_local_mode(
     step = make_step(name, wrapped, opt, x, target, dtype, dev0.type)
     free_memory()
     common.reset_peak_memory(devices)
-    times = common.time_steps(step, devices, warmup, steps)
+    with mode_environment(mode):
+        times = common.time_steps(step, devices, warmup, steps)
     used = sorted(set(devices), key=lambda d: (d.type, d.index or 0))
     fields: dict[str, Any] = {
         **common.summarize(times),

@@ -43,6 +43,7 @@ MODE_ORDER = [
     "libtorch_dp",
     "torchdp",
     "torchdp_serial",
+    "torchdp_bucket_grads",
     "torchdp_balanced",
     "torchdp_functional",
     "ddp",
