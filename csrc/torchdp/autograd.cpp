@@ -226,10 +226,6 @@ class BucketDelivery : public std::enable_shared_from_this<BucketDelivery> {
   BucketDelivery(std::vector<at::Tensor> tensors, std::vector<std::vector<size_t>> buckets)
       : tensors_(std::move(tensors)), buckets_(std::move(buckets)) {}
 
-  size_t bucket_count() const {
-    return buckets_.size();
-  }
-
   // Called by bucket node `bucket` when it runs, on an autograd thread of the pass.
   void ran(size_t bucket) {
     const int task = torch::autograd::get_current_graph_task_id();
