@@ -381,17 +381,23 @@ def pivot(records: list[Record], bench: str) -> OrderedDict[tuple, dict[str, Rec
     return groups
 
 
+def _replicate_pair(modes: dict[str, Record]) -> tuple[Record, Record, Any]:
+    """torch's and torchdp's replicate records of one configuration, and torchdp's speedup."""
+    t, d = modes.get("torch_replicate", {}), modes.get("torchdp_replicate", {})
+    speed = d.get("speedup_vs_torch")
+    if speed is None and time_of(t) and time_of(d):
+        speed = time_of(t) / time_of(d)
+    return t, d, speed
+
+
 def replicate_section(records: list[Record]) -> list[str]:
     lines: list[str] = []
     groups = pivot(records, "replicate")
     rows = []
     for (model, gpus), modes in groups.items():
-        t, d = modes.get("torch_replicate", {}), modes.get("torchdp_replicate", {})
+        t, d, speed = _replicate_pair(modes)
         if time_of(t) is None and time_of(d) is None:
             continue
-        speed = d.get("speedup_vs_torch")
-        if speed is None and time_of(t) and time_of(d):
-            speed = time_of(t) / time_of(d)
         floor = num(d.get("broadcast_ms_median", t.get("broadcast_ms_median")))
         bound = num(d.get("bound_vs_torch", t.get("bound_vs_torch")))
         rows.append(
@@ -436,12 +442,9 @@ def replicate_section(records: list[Record]) -> list[str]:
     groups = pivot(records, "replicate_curve")
     rows = []
     for (model, gpus), modes in sorted(groups.items(), key=lambda kv: _modules(kv[1])):
-        t, d = modes.get("torch_replicate", {}), modes.get("torchdp_replicate", {})
+        t, d, speed = _replicate_pair(modes)
         if time_of(t) is None and time_of(d) is None:
             continue
-        speed = d.get("speedup_vs_torch")
-        if speed is None and time_of(t) and time_of(d):
-            speed = time_of(t) / time_of(d)
         mods = _modules(modes)
         per_t = f"{1e3 * time_of(t) / mods:.1f}" if time_of(t) and mods else "—"
         per_d = f"{1e3 * time_of(d) / mods:.1f}" if time_of(d) and mods else "—"

@@ -129,6 +129,32 @@ bool direct_nccl_broadcast() {
   }();
   return direct;
 }
+
+// Note [Direct NCCL broadcast]: every bucket gets one fresh buffer per target device, the outputs
+// are views of it, and all tensors are sent in one NCCL group, without a staging copy.
+void broadcast_direct(const std::vector<at::Tensor>& inputs, const std::vector<Bucket>& buckets,
+                      const std::vector<c10::Device>& devices,
+                      std::vector<std::vector<at::Tensor>>& outputs) {
+  std::vector<at::Tensor> sources;
+  std::vector<std::vector<at::Tensor>> destinations(devices.size());
+  for (const auto& bucket : buckets) {
+    int64_t total = 0;
+    for (auto i : bucket.indices) {
+      total += inputs[i].numel();
+    }
+    for (size_t j = 1; j < devices.size(); ++j) {
+      const auto flat = at::empty({total}, inputs[bucket.indices[0]].options().device(devices[j]));
+      unflatten_into(flat, inputs, bucket, outputs[j]);
+    }
+    for (auto i : bucket.indices) {
+      sources.push_back(inputs[i].contiguous());
+      for (size_t j = 1; j < devices.size(); ++j) {
+        destinations[j].push_back(outputs[j][i]);
+      }
+    }
+  }
+  nccl::broadcast_each(sources, destinations, devices);
+}
 #endif
 
 // Copies into CUDA memory are queued on the destination's current stream; a copy into host memory
@@ -178,39 +204,16 @@ std::vector<std::vector<at::Tensor>> broadcast_coalesced(at::TensorList tensors,
 
   std::vector<size_t> singles;
   const auto buckets = make_buckets(inputs, buffer_size, singles);
+  bool direct = false;
 #if TORCHDP_WITH_NCCL
   const bool use_nccl = nccl::usable(devices);
-  if (use_nccl && direct_nccl_broadcast()) {
-    // Note [Direct NCCL broadcast]: no staging copy on the source device.
-    std::vector<at::Tensor> sources;
-    std::vector<std::vector<at::Tensor>> destinations(devices.size());
-    for (const auto& bucket : buckets) {
-      int64_t total = 0;
-      for (auto i : bucket.indices) {
-        total += inputs[i].numel();
-      }
-      for (size_t j = 1; j < devices.size(); ++j) {
-        const auto flat =
-            at::empty({total}, inputs[bucket.indices[0]].options().device(devices[j]));
-        unflatten_into(flat, inputs, bucket, outputs[j]);
-      }
-      for (auto i : bucket.indices) {
-        sources.push_back(inputs[i].contiguous());
-        for (size_t j = 1; j < devices.size(); ++j) {
-          destinations[j].push_back(outputs[j][i]);
-        }
-      }
-    }
-    nccl::broadcast_each(sources, destinations, devices);
-    for (auto i : singles) {
-      for (size_t j = 1; j < devices.size(); ++j) {
-        outputs[j][i] = copy_to(inputs[i], devices[j]);
-      }
-    }
-    return outputs;
+  direct = use_nccl && direct_nccl_broadcast();
+  if (direct) {
+    broadcast_direct(inputs, buckets, devices, outputs);
   }
 #endif
-  for (const auto& bucket : buckets) {
+  const std::vector<Bucket> none; // the direct broadcast sent them all
+  for (const auto& bucket : direct ? none : buckets) {
     bool fresh = false;
     const auto flat = flatten(inputs, bucket, fresh);
 #if TORCHDP_WITH_NCCL

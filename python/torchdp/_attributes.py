@@ -65,14 +65,12 @@ class _Replica:
 
     def __init__(
         self,
-        modules: list[nn.Module],
         replica_modules: list[nn.Module],
         module_index: dict[int, int],
         tensor_index: dict[int, tuple[int, str]],
         device: torch.device,
         source: torch.device,
     ) -> None:
-        self.modules = modules
         self.replica_modules = replica_modules
         self.module_index = module_index
         self.tensor_index = tensor_index
@@ -177,15 +175,14 @@ def fix_stale_attributes(
                     tensor_index.setdefault(id(t), (p, name))
     paths: dict[int, str] | None = None
     for j in targets:
+        replica = _Replica(copies[j], module_index, tensor_index, devices[j], source)
         for p, keys in candidates:
             replica_module = copies[j][p]
             state = replica_module.__dict__
             for key in keys:
                 if key not in state:  # a hook removed it
                     continue
-                replica = _Replica(
-                    modules, copies[j], module_index, tensor_index, devices[j], source
-                )
+                replica.found = []
                 fixed = replica.fix(state[key], key, 0)
                 if not replica.found:
                     continue

@@ -36,6 +36,18 @@ def _mlp(layers: int = 6, width: int = 32) -> nn.Sequential:
     return nn.Sequential(*mods)
 
 
+class Partly(nn.Module):
+    """A module whose second layer takes no part in the forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.used = nn.Linear(4, 4)
+        self.unused = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x)
+
+
 def _bucket_sizes(replica: nn.Module) -> list[int]:
     """Tensors per backward node, in parameter order (one entry per distinct node)."""
     sizes: list[int] = []
@@ -112,15 +124,6 @@ def test_bucketed_double_backward(monkeypatch, delivery):
 
 def test_unused_parameters_get_zero_gradients_in_every_bucket(monkeypatch, delivery):
     monkeypatch.setenv(ENV, "0.000001")
-
-    class Partly(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.used = nn.Linear(4, 4)
-            self.unused = nn.Linear(4, 4)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.used(x)
 
     net = Partly()
     torchdp.DataParallel(net, devices=cpu_devices(2))(torch.randn(4, 4)).sum().backward()
@@ -252,15 +255,6 @@ def test_bucket_delivery_keeps_the_join_for_non_leaf_sources(monkeypatch):
 
 def test_bucket_delivery_over_several_passes_and_autograd_grad(monkeypatch):
     monkeypatch.setenv(ENV, "0.000001")
-
-    class Partly(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.used = nn.Linear(4, 4)
-            self.unused = nn.Linear(4, 4)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.used(x)
 
     x = torch.randn(6, 4)
     results = {}
