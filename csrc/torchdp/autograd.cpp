@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -93,7 +94,12 @@ at::Tensor grad_or_zeros(const Node& node, const variable_list& grads, size_t i)
 // grad_bucket_size() bytes each, the first bucket smaller so that reduction starts early. The
 // autograd engine runs a bucket's node as soon as every replica's gradient of that bucket exists,
 // so the reduce-add of early buckets overlaps the rest of the backward pass instead of waiting
-// for the whole of it.
+// for the whole of it. "As soon as" needs the node's priority: each device's ready queue runs the
+// node with the highest sequence number first, and a bucket node, made by replicate before the
+// forward, would otherwise lose to every replica op still waiting on its device and run only when
+// that device's part of the backward is over (a two-GPU transformer trace showed all bucket nodes
+// run one after another after the last backward kernel). Bucket and join nodes take the highest
+// sequence number, as AccumulateGrad does (kRunWhenReady).
 //
 // Every bucket's sums go to one BroadcastJoin node, which passes them to the original tensors'
 // gradient edges and fills with zeros what no bucket delivered (a bucket none of whose copies was
@@ -121,6 +127,9 @@ at::Tensor grad_or_zeros(const Node& node, const variable_list& grads, size_t i)
 //     forward streams never wait for a reduction before the join: the reductions overlap the rest
 //     of the backward pass.
 // CPU and meta devices use their only stream: the buckets still split the work, in order.
+
+// The sequence number that makes the engine run a node before any other ready node of its device.
+constexpr uint64_t kRunWhenReady = std::numeric_limits<uint64_t>::max();
 
 thread_local std::optional<size_t> bucket_size_override;
 
@@ -284,7 +293,7 @@ class BucketDelivery : public std::enable_shared_from_this<BucketDelivery> {
 // gradient gets zeros when unused, as with torch.nn.DataParallel's Broadcast).
 struct BroadcastJoin : Node {
   BroadcastJoin(c10::Device source, std::optional<c10::Stream> source_side_stream)
-      : source_(source), source_side_stream_(source_side_stream) {}
+      : Node(kRunWhenReady), source_(source), source_side_stream_(source_side_stream) {}
 
   std::string name() const override {
     return "torchdp::BroadcastBackwardJoin";
@@ -320,7 +329,8 @@ struct BroadcastBackward : Node {
   BroadcastBackward(c10::Device source, std::vector<c10::Device> devices, size_t num_inputs,
                     size_t buffer_size, std::vector<std::optional<c10::Stream>> side_streams,
                     std::shared_ptr<BucketDelivery> delivery = nullptr, size_t bucket_index = 0)
-      : source_(source),
+      : Node(kRunWhenReady),
+        source_(source),
         devices_(std::move(devices)),
         num_inputs_(num_inputs),
         buffer_size_(buffer_size),

@@ -80,6 +80,32 @@ def test_buckets_are_cut_from_the_end(monkeypatch, mib, expected):
     assert _bucket_sizes(r0) == expected
 
 
+def test_a_bucket_reduces_as_soon_as_its_gradients_exist(monkeypatch, delivery):
+    # The last layer's bucket must run as soon as both replicas' last layers have their backward,
+    # before the rest of the backward pass (its reduce-add overlaps it), not after all of the
+    # device's work. On CPU every node shares one ready queue, which runs one replica's backward
+    # (the later one's ops come first), then the other's: the bucket must run before the second
+    # replica reaches its first layer.
+    monkeypatch.setenv(ENV, "0.000001")  # every tensor in a bucket of its own
+    net = _mlp(layers=4, width=8)
+    replicas = torchdp.replicate(net, cpu_devices(2))
+    events: list[str] = []
+    last_bias_node = replicas[0][-2].bias.grad_fn
+    assert last_bias_node.name() == "torchdp::BroadcastBackward"
+    last_bias_node.register_hook(lambda *_: events.append("last bucket"))
+    loss = torch.zeros(())
+    for i, replica in enumerate(replicas):
+        x = torch.randn(3, 8, requires_grad=True)
+        # The replica's input gets its gradient from the first layer's backward.
+        x.register_hook(lambda g, i=i: events.append(f"input {i}"))
+        loss = loss + replica(x).sum()
+    loss.backward()
+    assert events.index("last bucket") < max(events.index("input 0"), events.index("input 1")), (
+        events
+    )
+    assert net[-2].bias.grad is not None
+
+
 def test_default_buckets_hold_small_models_in_one_node(monkeypatch):
     monkeypatch.delenv(ENV, raising=False)
     r0, _ = torchdp.replicate(_mlp(), cpu_devices(2))
@@ -134,7 +160,7 @@ def test_unused_parameters_get_zero_gradients_in_every_bucket(monkeypatch, deliv
 @pytest.mark.parametrize("bad", ["-1", "lots", "1e"])
 def test_bad_bucket_size_is_named(monkeypatch, bad):
     monkeypatch.setenv(ENV, bad)
-    with pytest.raises(RuntimeError, match=f"TORCHDP_GRAD_BUCKET_MB must be a non-negative number"):
+    with pytest.raises(RuntimeError, match="TORCHDP_GRAD_BUCKET_MB must be a non-negative number"):
         torchdp.replicate(_mlp(), cpu_devices(2))
 
 
