@@ -585,10 +585,15 @@ std::vector<std::vector<at::Tensor>> broadcast_coalesced(at::TensorList tensors,
       join->add_input_metadata(t); // on the forward's current stream, where gradients are consumed
     }
   }
+  // A bucket reduces in one piece: split into buffer_size chunks (10 MiB by default, less than a
+  // 25 MiB bucket), every chunk would cost its own packing copies and reduction launch on the
+  // device thread that runs the node, which also launches that device's backward kernels.
+  const size_t reduce_buffer_size =
+      bucket_size > 0 ? std::max(buffer_size, bucket_size) : buffer_size;
   for (const auto b : c10::irange(buckets.size())) {
     const auto& bucket = buckets[b];
-    auto node = make_node<BroadcastBackward>(source, devices, bucket.size(), buffer_size, side,
-                                             delivery, b);
+    auto node = make_node<BroadcastBackward>(source, devices, bucket.size(), reduce_buffer_size,
+                                             side, delivery, b);
     torch::autograd::edge_list next;
     next.reserve(bucket.size());
     for (auto k : bucket) {
