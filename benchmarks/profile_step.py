@@ -6,7 +6,8 @@ The phases of a step are marked with ``record_function`` (``DataParallel.replica
 ``.parallel_apply``, ``.gather``, ``loss``, ``backward``, ``optimizer``) through overridden methods
 of a DataParallel subclass, so the library itself is unchanged. Per model the JSON record holds the
 median step time (from a separate synchronised timing), the CPU time of each phase per step, the
-GPU kernel time per device per step, and the top operators by CPU time. Without the profiler,
+GPU kernel time per device per step, each GPU's idle time per step with its largest gaps (and
+the phase they began in), and the top operators by CPU time. Without the profiler,
 the same steps are also timed phase by phase with the wall clock of the calling thread (no
 synchronisation inside a step, so a phase's time is the CPU time it takes to issue its work),
 next to the same phases of the plain model on one GPU with the full batch.
@@ -178,6 +179,49 @@ def single_gpu_phases(name: str, smoke: bool, dev0: torch.device, steps: int) ->
     }
 
 
+def gpu_idle(
+    busy: dict[int, list[tuple[float, float]]],
+    phases: list[tuple[str, float, float]],
+    steps: int,
+    top: int = 3,
+) -> dict[str, dict[str, Any]]:
+    """Idle time of each GPU while the profiled steps ran, from the kernels' and copies'
+    intervals (microseconds, per device index) and the calling thread's phase ranges.
+
+    The window runs from the first to the last device activity of any GPU, so a device that
+    starts late or finishes early is idle for that time too. Per device: idle milliseconds per
+    step, and the `top` largest gaps, each with the innermost phase running on the calling
+    thread when the gap began ("between phases" when none was).
+    """
+    spans = [iv for ivs in busy.values() for iv in ivs]
+    if not spans or steps <= 0:
+        return {}
+    start = min(a for a, _ in spans)
+    end = max(b for _, b in spans)
+
+    def phase_at(t: float) -> str:
+        inside = [(b - a, n) for n, a, b in phases if a <= t < b]
+        return min(inside)[1] if inside else "between phases"
+
+    result: dict[str, dict[str, Any]] = {}
+    for device, intervals in sorted(busy.items()):
+        gaps: list[tuple[float, float]] = []  # (length, start)
+        reached = start
+        for a, b in sorted(intervals):
+            if a > reached:
+                gaps.append((a - reached, reached))
+            reached = max(reached, b)
+        if end > reached:
+            gaps.append((end - reached, reached))
+        idle = sum(length for length, _ in gaps)
+        largest = sorted(gaps, reverse=True)[:top]
+        result[f"cuda:{device}"] = {
+            "idle_ms_per_step": round(idle / steps / 1e3, 2),
+            "largest_gaps": [[round(length / 1e3, 2), phase_at(at)] for length, at in largest],
+        }
+    return result
+
+
 def write_trace(prof: Any, directory: str, name: str) -> Path:
     """The profiler's Chrome trace of `name`'s steps, gzipped, into `directory`."""
     folder = Path(directory)
@@ -228,11 +272,15 @@ def profile_model(
         common.progress(f"{name}: trace in {write_trace(prof, trace_dir, name)}")
     phases: dict[str, float] = defaultdict(float)
     gpu_us: dict[int, float] = defaultdict(float)
+    busy: dict[int, list[tuple[float, float]]] = defaultdict(list)
+    ranges: list[tuple[str, float, float]] = []
     for event in prof.events():
         if event.name in PHASES:
             phases[event.name] += event.cpu_time_total
+            ranges.append((event.name, event.time_range.start, event.time_range.end))
         if event.device_type == torch.autograd.DeviceType.CUDA:
             gpu_us[event.device_index] += event.device_time
+            busy[event.device_index].append((event.time_range.start, event.time_range.end))
     top = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:12]
     return {
         "model": name,
@@ -246,6 +294,7 @@ def profile_model(
         "gpu_kernel_ms_per_step": {
             f"cuda:{i}": round(us / steps / 1e3, 2) for i, us in sorted(gpu_us.items())
         },
+        "gpu_idle": gpu_idle(busy, ranges, steps),
         "top_ops_self_cpu_ms_per_step": [
             [e.key, round(e.self_cpu_time_total / steps / 1e3, 3), e.count // steps] for e in top
         ],
@@ -269,6 +318,22 @@ def markdown(records: list[dict[str, Any]]) -> str:
         gpu = ", ".join(f"{d} {v}" for d, v in r["gpu_kernel_ms_per_step"].items()) or "—"
         devices = ", ".join(r["devices"])
         lines.append(f"| {r['model']} | {devices} | {r['step_ms_median']} | {phases} | {gpu} |")
+    if any(r.get("gpu_idle") for r in records):
+        lines += [
+            "",
+            "GPU idle ms per step under the profiler (no kernel or copy running, from the first to "
+            "the last device activity of the profiled steps), and the largest gaps with the phase "
+            "the calling thread was in when each began.",
+            "",
+            "| model | device | idle ms per step | largest gaps (ms, phase) |",
+            "|---|---|---|---|",
+        ]
+        for r in records:
+            for device, idle in r.get("gpu_idle", {}).items():
+                gaps = "; ".join(f"{ms} {phase}" for ms, phase in idle["largest_gaps"])
+                lines.append(
+                    f"| {r['model']} | {device} | {idle['idle_ms_per_step']} | {gaps or '—'} |"
+                )
     wall_names = ("forward", *PHASES)
     lines += [
         "",

@@ -127,6 +127,38 @@ def test_profile_step_smoke_records_every_phase(tmp_path):
     table = out.with_suffix(".md").read_text()
     assert "| mlp200 | cpu, cpu |" in table and "parallel_apply" in table
     assert "one device: step ms" in table
+    assert rec["gpu_idle"] == {}  # CPU devices: no device activity
+
+
+def test_profile_step_gpu_idle_finds_the_gaps_and_their_phases():
+    import profile_step
+
+    ms = 1e3  # the profiler's intervals are in microseconds
+    # Device 0 works 0-10 and 14-20 ms; device 1 starts late (3) and stops early (18), with a gap
+    # 5-6. Phases: "forward" 0-12 with "replicate" inside it 2-4, "backward" 12-20.
+    busy = {
+        0: [(0 * ms, 6 * ms), (4 * ms, 10 * ms), (14 * ms, 20 * ms)],
+        1: [(3 * ms, 5 * ms), (6 * ms, 18 * ms)],
+    }
+    phases = [
+        ("forward", 0, 12 * ms),
+        ("replicate", 2 * ms, 4 * ms),
+        ("backward", 12 * ms, 20 * ms),
+    ]
+    idle = profile_step.gpu_idle(busy, phases, steps=2)
+    assert set(idle) == {"cuda:0", "cuda:1"}
+    assert idle["cuda:0"] == {"idle_ms_per_step": 2.0, "largest_gaps": [[4.0, "forward"]]}
+    # Device 1: 3 ms before it starts, 1 ms at 5, 2 ms at the end: 6 ms over 2 steps.
+    assert idle["cuda:1"]["idle_ms_per_step"] == 3.0
+    assert idle["cuda:1"]["largest_gaps"] == [[3.0, "forward"], [2.0, "backward"], [1.0, "forward"]]
+    assert len(profile_step.gpu_idle(busy, phases, steps=1, top=1)["cuda:1"]["largest_gaps"]) == 1
+    # The innermost phase names a gap: one beginning at 2.5 ms falls in replicate; one outside
+    # every phase is said to be between phases.
+    inner = profile_step.gpu_idle(
+        {0: [(0, 2.5 * ms), (3 * ms, 20 * ms), (21 * ms, 22 * ms)]}, phases, 1
+    )
+    assert inner["cuda:0"]["largest_gaps"] == [[1.0, "between phases"], [0.5, "replicate"]]
+    assert profile_step.gpu_idle({}, phases, steps=1) == {}
 
 
 def test_profile_step_rejects_bad_device_ids():
