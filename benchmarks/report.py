@@ -381,6 +381,10 @@ def pivot(records: list[Record], bench: str) -> OrderedDict[tuple, dict[str, Rec
     return groups
 
 
+# The leading columns of both replicate tables (one torch / torchdp pair per row).
+REPLICATE_COLUMNS = ["model", "gpus", "modules", "torch ms", "torchdp ms", "speedup"]
+
+
 def _replicate_pair(modes: dict[str, Record]) -> tuple[Record, Record, Any]:
     """torch's and torchdp's replicate records of one configuration, and torchdp's speedup."""
     t, d = modes.get("torch_replicate", {}), modes.get("torchdp_replicate", {})
@@ -425,19 +429,7 @@ def replicate_section(records: list[Record]) -> list[str]:
             ),
             "",
         ]
-        lines += table(
-            [
-                "model",
-                "gpus",
-                "modules",
-                "torch ms",
-                "torchdp ms",
-                "speedup",
-                "broadcast only ms",
-                "bound",
-            ],
-            rows,
-        )
+        lines += table([*REPLICATE_COLUMNS, "broadcast only ms", "bound"], rows)
 
     groups = pivot(records, "replicate_curve")
     rows = []
@@ -468,16 +460,7 @@ def replicate_section(records: list[Record]) -> list[str]:
             "",
         ]
         lines += table(
-            [
-                "model",
-                "gpus",
-                "modules",
-                "torch ms",
-                "torchdp ms",
-                "speedup",
-                "torch µs/module",
-                "torchdp µs/module",
-            ],
+            [*REPLICATE_COLUMNS, "torch µs/module", "torchdp µs/module"],
             rows,
         )
     return lines
