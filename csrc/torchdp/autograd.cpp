@@ -11,10 +11,13 @@
 #include <c10/util/irange.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
 #include <torch/csrc/autograd/graph_task.h>
+#include <torch/csrc/autograd/utils/grad_layout_contract.h>
 #include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <limits>
@@ -23,6 +26,7 @@
 #include <mutex>
 #include <string>
 #include <type_traits>
+#include <unordered_map>
 #include <utility>
 
 namespace torchdp::autograd {
@@ -173,6 +177,16 @@ void record_on(const at::Tensor& t, const c10::Stream& stream) {
   }
 }
 
+// Makes the current stream of `done`'s device wait for the work queued on `done` so far.
+void current_stream_waits_for(const c10::Stream& done) {
+  const auto current = c10::impl::VirtualGuardImpl(done.device_type()).getStream(done.device());
+  if (current != done) {
+    c10::Event event(done.device_type());
+    event.record(done);
+    current.wait(event);
+  }
+}
+
 // Bucket boundaries over tensor indices, from the end of the list (each bucket's indices ascend).
 std::vector<std::vector<size_t>> gradient_buckets(at::TensorList tensors, size_t bucket_size) {
   std::vector<std::vector<size_t>> buckets;
@@ -206,16 +220,31 @@ std::vector<std::vector<size_t>> gradient_buckets(at::TensorList tensors, size_t
 
 // Note [Delivering bucket sums directly]
 // TORCHDP_GRAD_DELIVERY=bucket (experimental; the default is "join"): when every broadcast tensor
-// that needs a gradient is a leaf (a module's parameters), each bucket node passes its sums
-// straight to those tensors' gradient edges (their AccumulateGrad nodes), so gradients reach .grad
-// while the backward pass still runs, instead of all at once through the join after the last
-// bucket. The node makes the source device's forward stream wait for its reduction before
-// returning the sums (the CPU enqueues that wait far ahead of the GPU in a GPU-bound step). A
-// bucket none of whose copies took part in the forward never runs; its tensors get zero gradients
-// at the end of the pass from an engine callback, queued by the first bucket node that runs, which
-// sets .grad to zeros where it is still undefined -- in passes that accumulate into .grad
-// (backward() without inputs=) only: torch.autograd.grad and backward(inputs=...) leave those
+// that needs a gradient is a leaf (a module's parameters), each bucket node hands its sums to
+// those tensors while the backward pass still runs, instead of all at once through the join after
+// the last bucket. A sum reaches its parameter in one of two ways:
+//   * Assigned: the node sets param.grad = sum itself, as AccumulateGrad would (it would steal
+//     the tensor), and passes nothing on. Nothing reads the sum before the pass ends, so no stream
+//     waits for this bucket's reduction during the backward pass; at the end of the pass an engine
+//     callback makes the caller's current stream of the source device wait for the source
+//     device's side stream, once, before backward() returns. Only where nothing can observe the
+//     gradient earlier: a pass that accumulates into .grad (backward() without inputs=), not
+//     building a graph (no create_graph), .grad still undefined, no hooks of any kind on the
+//     parameter or its AccumulateGrad node, the sum in the layout AccumulateGrad would keep, and
+//     the bucket node the only producer of that parameter's gradient in the pass (the pass's
+//     graph is scanned once for the in-degree of every AccumulateGrad of the broadcast: a weight
+//     also used outside the replicas, or a module replicated twice in one forward, gets its
+//     gradient from two places and must be added to on the forward stream).
+//   * Passed on: everywhere else the sum goes to the parameter's gradient edge (its AccumulateGrad
+//     node) as any gradient does, after the node made the source device's forward stream wait for
+//     this bucket's reduction (the CPU enqueues that wait far ahead of the GPU in a GPU-bound
+//     step).
+// A bucket none of whose copies took part in the forward never runs; its tensors get zero
+// gradients at the end of the pass from the same callback, queued by the first bucket node that
+// runs, which sets .grad to zeros where it is still undefined -- in passes that accumulate into
+// .grad (backward() without inputs=) only: torch.autograd.grad and backward(inputs=...) leave those
 // tensors without a gradient where the join gives zeros, and the zeros skip gradient hooks.
+// directly_assigned_gradients() counts the assignments (tests, diagnostics).
 bool deliver_per_bucket() {
   const char* env = std::getenv("TORCHDP_GRAD_DELIVERY");
   if (env == nullptr || *env == '\0') {
@@ -228,12 +257,23 @@ bool deliver_per_bucket() {
   return mode == "bucket";
 }
 
-// Which buckets of one broadcast ran in each backward pass, and the zeros for those that did not
-// (Note [Delivering bucket sums directly]).
+std::atomic<int64_t> directly_assigned{0};
+
+// Which buckets of one broadcast ran in each backward pass, the zeros for those that did not, and
+// the sums assigned straight to .grad (Note [Delivering bucket sums directly]).
 class BucketDelivery : public std::enable_shared_from_this<BucketDelivery> {
  public:
-  BucketDelivery(std::vector<at::Tensor> tensors, std::vector<std::vector<size_t>> buckets)
-      : tensors_(std::move(tensors)), buckets_(std::move(buckets)) {}
+  BucketDelivery(std::vector<at::Tensor> tensors, std::vector<std::vector<size_t>> buckets,
+                 c10::Device source, std::optional<c10::Stream> source_side_stream)
+      : tensors_(std::move(tensors)),
+        buckets_(std::move(buckets)),
+        source_(source),
+        source_side_stream_(source_side_stream) {}
+
+  // The index among the broadcast's tensors of slot `slot` of bucket `bucket`.
+  size_t tensor_index(size_t bucket, size_t slot) const {
+    return buckets_[bucket][slot];
+  }
 
   // Called by bucket node `bucket` when it runs, on an autograd thread of the pass.
   void ran(size_t bucket) {
@@ -242,34 +282,119 @@ class BucketDelivery : public std::enable_shared_from_this<BucketDelivery> {
     auto it = passes_.find(task);
     if (it == passes_.end()) {
       const auto* info = torch::autograd::get_current_graph_task_exec_info();
-      const bool accumulating = info == nullptr || info->empty();
-      it = passes_.emplace(task, std::vector<bool>(buckets_.size(), false)).first;
+      Pass pass;
+      pass.ran.assign(buckets_.size(), false);
+      pass.accumulating = info == nullptr || info->empty();
+      it = passes_.emplace(task, std::move(pass)).first;
       torch::autograd::Engine::get_default_engine().queue_callback(
-          [self = shared_from_this(), task, accumulating] {
-            self->finish(task, accumulating);
+          [self = shared_from_this(), task] {
+            self->finish(task);
           });
     }
-    it->second[bucket] = true;
+    it->second.ran[bucket] = true;
+  }
+
+  // Sets tensor k's .grad to `sum` when nothing can read it before the pass ends; `edge` is the
+  // tensor's gradient edge. False: the caller passes the sum on through the edge.
+  bool assign(size_t k, const Edge& edge, at::Tensor& sum) {
+    if (c10::GradMode::is_enabled()) { // create_graph: AccumulateGrad would copy the sum
+      return false;
+    }
+    const auto& t = tensors_[k];
+    auto* acc = dynamic_cast<torch::autograd::AccumulateGrad*>(edge.function.get());
+    if (acc == nullptr || !acc->variable.defined() ||
+        acc->variable.unsafeGetTensorImpl() != t.unsafeGetTensorImpl()) {
+      return false;
+    }
+    if (!acc->pre_hooks().empty() || !acc->tensor_pre_hooks().empty() ||
+        !acc->retains_grad_hooks().empty() || !acc->post_hooks().empty() ||
+        acc->tensor_post_acc_grad_hooks() != nullptr) {
+      return false;
+    }
+    if (t.grad().defined() || t.layout() != c10::kStrided || t.is_nested() ||
+        sum.layout() != c10::kStrided || sum.sizes() != t.sizes() ||
+        sum.scalar_type() != t.scalar_type() || sum.device() != t.device() ||
+        !torch::autograd::utils::obeys_layout_contract(sum, t)) {
+      return false;
+    }
+    const int task = torch::autograd::get_current_graph_task_id();
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = passes_.find(task);
+    if (it == passes_.end() || !it->second.accumulating) {
+      return false;
+    }
+    auto& pass = it->second;
+    if (!pass.scanned) {
+      count_producers(pass);
+    }
+    auto producers = pass.producers.find(acc);
+    if (producers == pass.producers.end() || producers->second != 1) {
+      return false;
+    }
+    t.mutable_grad() = std::move(sum);
+    pass.assigned = true;
+    directly_assigned.fetch_add(1, std::memory_order_relaxed);
+    return true;
   }
 
  private:
-  void finish(int task, bool accumulating) {
-    std::vector<bool> ran;
+  struct Pass {
+    std::vector<bool> ran;                          // per bucket
+    bool accumulating = false;                      // backward() without inputs=
+    bool assigned = false;                          // some sum went straight to .grad
+    bool scanned = false;                           // producers counted
+    std::unordered_map<const Node*, int> producers; // in-degree of each tensor's AccumulateGrad
+  };
+
+  // How many edges of the pass's graph lead to each tensor's AccumulateGrad node.
+  void count_producers(Pass& pass) const {
+    pass.scanned = true;
+    const auto* nodes = torch::autograd::get_current_graph_task_nodes_in_graph();
+    if (nodes == nullptr) {
+      return; // unknown: nothing is assigned
+    }
+    for (const auto& t : tensors_) {
+      if (t.requires_grad() && t.is_leaf()) {
+        if (auto acc = torch::autograd::impl::try_get_grad_accumulator(t)) {
+          pass.producers.emplace(acc.get(), 0);
+        }
+      }
+    }
+    for (const Node* node : *nodes) {
+      for (const auto& edge : node->next_edges()) {
+        if (const Node* next = edge.function.get()) {
+          auto it = pass.producers.find(next);
+          if (it != pass.producers.end()) {
+            ++it->second;
+          }
+        }
+      }
+    }
+  }
+
+  // Engine callback at the end of a pass that ran a bucket, with the caller's current streams.
+  void finish(int task) {
+    Pass pass;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       auto it = passes_.find(task);
       if (it == passes_.end()) {
         return;
       }
-      ran = std::move(it->second);
+      pass = std::move(it->second);
       passes_.erase(it);
     }
-    if (!accumulating) {
+    if (pass.assigned && source_side_stream_) {
+      // The assigned sums were reduced on the side stream and nothing has waited for it yet; the
+      // current stream here is the caller's.
+      current_stream_waits_for(*source_side_stream_);
+    }
+    if (!pass.accumulating) {
       return;
     }
     at::NoGradGuard no_grad;
     for (const auto b : c10::irange(buckets_.size())) {
-      if (ran[b]) {
+      if (pass.ran[b]) {
         continue;
       }
       for (auto k : buckets_[b]) {
@@ -283,8 +408,10 @@ class BucketDelivery : public std::enable_shared_from_this<BucketDelivery> {
 
   std::vector<at::Tensor> tensors_;
   std::vector<std::vector<size_t>> buckets_;
+  c10::Device source_;
+  std::optional<c10::Stream> source_side_stream_;
   std::mutex mutex_;
-  std::map<int, std::vector<bool>> passes_; // per graph task: which buckets ran
+  std::map<int, Pass> passes_; // per graph task
 };
 
 // Where the buckets' sums meet: one slot per broadcast tensor, one edge to each tensor's own
@@ -302,13 +429,7 @@ struct BroadcastJoin : Node {
   variable_list apply(variable_list&& grads) override {
     if (source_side_stream_) {
       // The sums were made on the side stream (Note [Gradient buckets and reduction streams]).
-      c10::impl::VirtualGuardImpl impl(source_.type());
-      const auto current = impl.getStream(source_);
-      if (current != *source_side_stream_) {
-        c10::Event reduced(source_.type());
-        reduced.record(*source_side_stream_);
-        current.wait(reduced);
-      }
+      current_stream_waits_for(*source_side_stream_);
     }
     variable_list result(grads.size());
     for (const auto k : c10::irange(grads.size())) {
@@ -386,16 +507,23 @@ struct BroadcastBackward : Node {
     }
     auto sums = reduce_add_coalesced(per_device, source_, buffer_size_);
     const void* recorded = nullptr; // consecutive sums are views of one flat buffer
+    bool passed_on = false;
     for (const auto i : c10::irange(wanted.size())) {
       if (node_stream && sums[i].has_storage() && sums[i].storage().data() != recorded) {
         record_on(sums[i], *node_stream);
         recorded = sums[i].storage().data();
       }
+      // Note [Delivering bucket sums directly]: straight to .grad where nothing can read it early.
+      if (delivery_ && delivery_->assign(delivery_->tensor_index(bucket_index_, wanted[i]),
+                                         next_edge(wanted[i]), sums[i])) {
+        continue;
+      }
       result[wanted[i]] = std::move(sums[i]);
+      passed_on = true;
     }
-    if (delivery_ && node_stream) {
-      // The sums go straight to their consumers on the forward stream (Note [Delivering bucket
-      // sums directly]): order it after this bucket's reduction.
+    if (delivery_ && node_stream && passed_on) {
+      // Sums passed on go to their consumers on the forward stream: order it after this
+      // bucket's reduction.
       c10::Event reduced(source_.type());
       reduced.record(*side_streams_[0]);
       node_stream->wait(reduced);
@@ -577,7 +705,7 @@ std::vector<std::vector<at::Tensor>> broadcast_coalesced(at::TensorList tensors,
   NodePtr join;
   std::shared_ptr<BucketDelivery> delivery;
   if (direct) {
-    delivery = std::make_shared<BucketDelivery>(tensors.vec(), buckets);
+    delivery = std::make_shared<BucketDelivery>(tensors.vec(), buckets, source, side[0]);
   } else {
     join = make_node<BroadcastJoin>(source, side[0]);
     join->set_next_edges(edges_of(tensors));
@@ -706,6 +834,10 @@ at::Tensor gather(at::TensorList inputs_in, c10::Device destination, int64_t dim
   node->set_next_edges(edges_of(inputs_in));
   attach(node, output, true);
   return output;
+}
+
+int64_t directly_assigned_gradients() {
+  return directly_assigned.load(std::memory_order_relaxed);
 }
 
 size_t grad_bucket_size() {

@@ -366,13 +366,15 @@ def assert_steps_match_eager(
 
 
 def assert_gpu_bound_buckets_ordered(
-    devices: list[torch.device], bucket_cap_mb: float, layers: int
+    devices: list[torch.device], bucket_cap_mb: float, layers: int, set_to_none: bool = False
 ) -> None:
     """Wide layers and a large batch make the backward GPU-bound: the CPU queues every kernel
     (and every bucket's reduction) long before the GPUs have run them, so the reductions must wait
-    for the gradients on their side streams, and the forward stream for the sums before they are
-    accumulated in place into the existing .grad. Gradients are compared with one device's over
-    three attempts."""
+    for the gradients on their side streams, and the current stream for the sums before anything
+    reads them: with ``set_to_none=False`` they are accumulated in place into the existing .grad
+    during the backward pass; with ``True`` they may become .grad without being read (Note
+    [Delivering bucket sums directly]) and are copied on the current stream as soon as backward()
+    returns. Gradients are compared with one device's over three attempts."""
     import torchdp
 
     torch.manual_seed(0)
@@ -386,9 +388,10 @@ def assert_gpu_bound_buckets_ordered(
         x = torch.randn(batch, width, device=devices[0])
         ref.zero_grad(set_to_none=True)
         ref(x).square().mean().backward()
-        net.zero_grad(set_to_none=False)
+        net.zero_grad(set_to_none=set_to_none)
         dp(x).square().mean().backward()
-        for (name, p), q in zip(net.named_parameters(), ref.parameters(), strict=True):
+        grads = [p.grad.clone() for p in net.parameters()]  # right away, on the current stream
+        for (name, _), g, q in zip(net.named_parameters(), grads, ref.parameters(), strict=True):
             torch.testing.assert_close(
-                p.grad, q.grad, rtol=1e-3, atol=1e-6, msg=f"attempt {attempt}, gradient of {name}"
+                g, q.grad, rtol=1e-3, atol=1e-6, msg=f"attempt {attempt}, gradient of {name}"
             )
