@@ -173,11 +173,12 @@ void init_core(py::module_& m) {
         R"doc(True when torchdp was compiled with its NCCL transport.)doc");
 
   m.def(
-      "directly_assigned_gradients", wrap_pybind_function_no_gil([]() {
-        return torchdp::autograd::directly_assigned_gradients();
+      "deferred_gradient_sums", wrap_pybind_function_no_gil([]() {
+        return torchdp::autograd::deferred_gradient_sums();
       }),
-      R"doc(How many gradient bucket sums the bucket nodes set as a parameter's .grad themselves since the
-process started (TORCHDP_GRAD_DELIVERY=bucket; the others passed through AccumulateGrad).)doc");
+      R"doc(How many gradient bucket sums went to their parameters without a stream wait of their own
+since the process started (TORCHDP_GRAD_DELIVERY=bucket: AccumulateGrad takes them without reading
+them, and the pass's last bucket waits once for all).)doc");
 
   m.def("cuda_device_count", wrap_pybind_function_no_gil([]() {
           return torchdp::cuda_device_count();

@@ -220,31 +220,35 @@ std::vector<std::vector<size_t>> gradient_buckets(at::TensorList tensors, size_t
 
 // Note [Delivering bucket sums directly]
 // TORCHDP_GRAD_DELIVERY=bucket (experimental; the default is "join"): when every broadcast tensor
-// that needs a gradient is a leaf (a module's parameters), each bucket node hands its sums to
-// those tensors while the backward pass still runs, instead of all at once through the join after
-// the last bucket. A sum reaches its parameter in one of two ways:
-//   * Assigned: the node sets param.grad = sum itself, as AccumulateGrad would (it would steal
-//     the tensor), and passes nothing on. Nothing reads the sum before the pass ends, so no stream
-//     waits for this bucket's reduction during the backward pass; at the end of the pass an engine
-//     callback makes the caller's current stream of the source device wait for the source
-//     device's side stream, once, before backward() returns. Only where nothing can observe the
-//     gradient earlier: a pass that accumulates into .grad (backward() without inputs=), not
-//     building a graph (no create_graph), .grad still undefined, no hooks of any kind on the
-//     parameter or its AccumulateGrad node, the sum in the layout AccumulateGrad would keep, and
-//     the bucket node the only producer of that parameter's gradient in the pass (the pass's
-//     graph is scanned once for the in-degree of every AccumulateGrad of the broadcast: a weight
-//     also used outside the replicas, or a module replicated twice in one forward, gets its
-//     gradient from two places and must be added to on the forward stream).
-//   * Passed on: everywhere else the sum goes to the parameter's gradient edge (its AccumulateGrad
-//     node) as any gradient does, after the node made the source device's forward stream wait for
-//     this bucket's reduction (the CPU enqueues that wait far ahead of the GPU in a GPU-bound
-//     step).
+// that needs a gradient is a leaf (a module's parameters), each bucket node passes its sums
+// straight to those tensors' gradient edges (their AccumulateGrad nodes), so gradients reach .grad
+// while the backward pass still runs, instead of all at once through the join after the last
+// bucket. The sums were made on the side stream, but the engine believes them made on the source
+// device's forward stream, so before anything reads them there that stream must wait for the
+// reduction. When is "before anything reads them"?
+//   * Deferred: AccumulateGrad takes a sum as the parameter's .grad without reading it (it steals
+//     the tensor: no kernel) when the pass accumulates into .grad (backward() without inputs=) and
+//     builds no graph (no create_graph), .grad is still undefined, nothing else holds the sum, it
+//     is in the layout AccumulateGrad keeps, no hook of any kind sits on the parameter or its
+//     AccumulateGrad node, and the bucket node is the only producer of that gradient in the pass
+//     (a weight also used outside the replicas, or a module replicated twice in one forward, gets
+//     a second gradient, which the engine adds to the sum on the forward stream). The pass's graph
+//     is scanned once, by its first bucket node, for the in-degree of every AccumulateGrad of the
+//     broadcast and for which bucket nodes it holds (every node of an accumulating pass runs). A
+//     bucket whose sums are all taken this way makes no stream wait; the last bucket node of the
+//     pass makes the forward stream wait for the side stream once, after its own reduction, which
+//     covers every bucket before it (the last bucket holds the first layers, whose gradients come
+//     last: little of the backward is left behind that wait).
+//   * Waited for: any other sum makes the forward stream wait for its bucket's reduction before
+//     the node returns (the CPU enqueues that wait far ahead of the GPU in a GPU-bound step).
 // A bucket none of whose copies took part in the forward never runs; its tensors get zero
-// gradients at the end of the pass from the same callback, queued by the first bucket node that
+// gradients at the end of the pass from an engine callback, queued by the first bucket node that
 // runs, which sets .grad to zeros where it is still undefined -- in passes that accumulate into
-// .grad (backward() without inputs=) only: torch.autograd.grad and backward(inputs=...) leave those
-// tensors without a gradient where the join gives zeros, and the zeros skip gradient hooks.
-// directly_assigned_gradients() counts the assignments (tests, diagnostics).
+// .grad only: torch.autograd.grad and backward(inputs=...) leave those tensors without a gradient
+// where the join gives zeros, and the zeros skip gradient hooks. The same callback checks that
+// AccumulateGrad did take every deferred sum as it is; if a torch release ever copied one instead
+// (a kernel that may have read it before the reduction ended), it warns and stops deferring.
+// deferred_gradient_sums() counts the sums handed on without a wait of their own.
 bool deliver_per_bucket() {
   const char* env = std::getenv("TORCHDP_GRAD_DELIVERY");
   if (env == nullptr || *env == '\0') {
@@ -257,22 +261,24 @@ bool deliver_per_bucket() {
   return mode == "bucket";
 }
 
-std::atomic<int64_t> directly_assigned{0};
+std::atomic<int64_t> deferred_sums{0};
+std::atomic<bool> deferring_allowed{true}; // off after a deferred sum was not taken as it was
 
 // Which buckets of one broadcast ran in each backward pass, the zeros for those that did not, and
-// the sums assigned straight to .grad (Note [Delivering bucket sums directly]).
+// the stream waits deferred to the pass's last bucket (Note [Delivering bucket sums directly]).
 class BucketDelivery : public std::enable_shared_from_this<BucketDelivery> {
  public:
-  BucketDelivery(std::vector<at::Tensor> tensors, std::vector<std::vector<size_t>> buckets,
-                 c10::Device source, std::optional<c10::Stream> source_side_stream)
-      : tensors_(std::move(tensors)),
-        buckets_(std::move(buckets)),
-        source_(source),
-        source_side_stream_(source_side_stream) {}
+  BucketDelivery(std::vector<at::Tensor> tensors, std::vector<std::vector<size_t>> buckets)
+      : tensors_(std::move(tensors)), buckets_(std::move(buckets)), nodes_(buckets_.size()) {}
 
   // The index among the broadcast's tensors of slot `slot` of bucket `bucket`.
   size_t tensor_index(size_t bucket, size_t slot) const {
     return buckets_[bucket][slot];
+  }
+
+  // Bucket `bucket`'s node (for identity only: never dereferenced).
+  void set_node(size_t bucket, const Node* node) {
+    nodes_[bucket] = node;
   }
 
   // Called by bucket node `bucket` when it runs, on an autograd thread of the pass.
@@ -285,6 +291,9 @@ class BucketDelivery : public std::enable_shared_from_this<BucketDelivery> {
       Pass pass;
       pass.ran.assign(buckets_.size(), false);
       pass.accumulating = info == nullptr || info->empty();
+      if (pass.accumulating && deferring_allowed.load()) {
+        scan(pass);
+      }
       it = passes_.emplace(task, std::move(pass)).first;
       torch::autograd::Engine::get_default_engine().queue_callback(
           [self = shared_from_this(), task] {
@@ -294,11 +303,11 @@ class BucketDelivery : public std::enable_shared_from_this<BucketDelivery> {
     it->second.ran[bucket] = true;
   }
 
-  // Sets tensor k's .grad to `sum` when nothing can read it before the pass ends; `edge` is the
-  // tensor's gradient edge. False: the caller passes the sum on through the edge.
-  bool assign(size_t k, const Edge& edge, at::Tensor& sum) {
-    if (c10::GradMode::is_enabled()) { // create_graph: AccumulateGrad would copy the sum
-      return false;
+  // True when `sum`, the gradient of tensor k about to go through `edge`, needs no stream wait
+  // before the end of the pass's last bucket: AccumulateGrad will take it without reading it.
+  bool may_defer(size_t k, const Edge& edge, const at::Tensor& sum) {
+    if (c10::GradMode::is_enabled() || !deferring_allowed.load()) {
+      return false; // create_graph: AccumulateGrad would copy the sum
     }
     const auto& t = tensors_[k];
     auto* acc = dynamic_cast<torch::autograd::AccumulateGrad*>(edge.function.get());
@@ -312,7 +321,7 @@ class BucketDelivery : public std::enable_shared_from_this<BucketDelivery> {
       return false;
     }
     if (t.grad().defined() || t.layout() != c10::kStrided || t.is_nested() ||
-        sum.layout() != c10::kStrided || sum.sizes() != t.sizes() ||
+        sum.layout() != c10::kStrided || sum.use_count() != 1 || sum.sizes() != t.sizes() ||
         sum.scalar_type() != t.scalar_type() || sum.device() != t.device() ||
         !torch::autograd::utils::obeys_layout_contract(sum, t)) {
       return false;
@@ -320,38 +329,50 @@ class BucketDelivery : public std::enable_shared_from_this<BucketDelivery> {
     const int task = torch::autograd::get_current_graph_task_id();
     std::lock_guard<std::mutex> lock(mutex_);
     auto it = passes_.find(task);
-    if (it == passes_.end() || !it->second.accumulating) {
+    if (it == passes_.end() || !it->second.scanned) {
       return false;
     }
     auto& pass = it->second;
-    if (!pass.scanned) {
-      count_producers(pass);
-    }
     auto producers = pass.producers.find(acc);
     if (producers == pass.producers.end() || producers->second != 1) {
       return false;
     }
-    t.mutable_grad() = std::move(sum);
-    pass.assigned = true;
-    directly_assigned.fetch_add(1, std::memory_order_relaxed);
+    pass.deferred.emplace_back(k, sum.data_ptr());
+    deferred_sums.fetch_add(1, std::memory_order_relaxed);
     return true;
+  }
+
+  // Called by a bucket node after its sums: true when the forward stream must now wait for the
+  // side stream because this is the pass's last bucket node and some wait was deferred to it.
+  bool last_deferred_bucket() {
+    const int task = torch::autograd::get_current_graph_task_id();
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = passes_.find(task);
+    if (it == passes_.end()) {
+      return false;
+    }
+    auto& pass = it->second;
+    ++pass.buckets_run;
+    return !pass.deferred.empty() && pass.buckets_run >= pass.buckets_in_graph;
   }
 
  private:
   struct Pass {
-    std::vector<bool> ran;                          // per bucket
-    bool accumulating = false;                      // backward() without inputs=
-    bool assigned = false;                          // some sum went straight to .grad
-    bool scanned = false;                           // producers counted
+    std::vector<bool> ran;     // per bucket
+    bool accumulating = false; // backward() without inputs=
+    bool scanned = false;      // the graph was scanned
+    size_t buckets_in_graph = 0;
+    size_t buckets_run = 0;
     std::unordered_map<const Node*, int> producers; // in-degree of each tensor's AccumulateGrad
+    std::vector<std::pair<size_t, const void*>> deferred; // tensor index, data of its sum
   };
 
-  // How many edges of the pass's graph lead to each tensor's AccumulateGrad node.
-  void count_producers(Pass& pass) const {
-    pass.scanned = true;
+  // Counts, in the pass's graph, the edges that lead to each tensor's AccumulateGrad node and the
+  // bucket nodes of this broadcast.
+  void scan(Pass& pass) const {
     const auto* nodes = torch::autograd::get_current_graph_task_nodes_in_graph();
     if (nodes == nullptr) {
-      return; // unknown: nothing is assigned
+      return; // unknown: nothing is deferred
     }
     for (const auto& t : tensors_) {
       if (t.requires_grad() && t.is_leaf()) {
@@ -370,6 +391,12 @@ class BucketDelivery : public std::enable_shared_from_this<BucketDelivery> {
         }
       }
     }
+    for (const Node* node : nodes_) {
+      if (node != nullptr && nodes->count(const_cast<Node*>(node)) != 0) {
+        ++pass.buckets_in_graph;
+      }
+    }
+    pass.scanned = pass.buckets_in_graph > 0;
   }
 
   // Engine callback at the end of a pass that ran a bucket, with the caller's current streams.
@@ -384,10 +411,17 @@ class BucketDelivery : public std::enable_shared_from_this<BucketDelivery> {
       pass = std::move(it->second);
       passes_.erase(it);
     }
-    if (pass.assigned && source_side_stream_) {
-      // The assigned sums were reduced on the side stream and nothing has waited for it yet; the
-      // current stream here is the caller's.
-      current_stream_waits_for(*source_side_stream_);
+    for (const auto& [k, data] : pass.deferred) {
+      const auto& grad = tensors_[k].grad();
+      if (!grad.defined() || grad.data_ptr() != data) {
+        deferring_allowed.store(false);
+        TORCH_WARN_ONCE(
+            "torchdp: AccumulateGrad did not take a gradient bucket's sum as it was (parameter ", k,
+            " of a broadcast), which TORCHDP_GRAD_DELIVERY=bucket relies on to defer its "
+            "stream waits; its gradient may have been read before its reduction ended. Deferred "
+            "waits are now off in this process; use TORCHDP_GRAD_DELIVERY=join (the default).");
+        break;
+      }
     }
     if (!pass.accumulating) {
       return;
@@ -408,8 +442,7 @@ class BucketDelivery : public std::enable_shared_from_this<BucketDelivery> {
 
   std::vector<at::Tensor> tensors_;
   std::vector<std::vector<size_t>> buckets_;
-  c10::Device source_;
-  std::optional<c10::Stream> source_side_stream_;
+  std::vector<const Node*> nodes_; // per bucket
   std::mutex mutex_;
   std::map<int, Pass> passes_; // per graph task
 };
@@ -507,26 +540,27 @@ struct BroadcastBackward : Node {
     }
     auto sums = reduce_add_coalesced(per_device, source_, buffer_size_);
     const void* recorded = nullptr; // consecutive sums are views of one flat buffer
-    bool passed_on = false;
+    bool wait_now = false;
     for (const auto i : c10::irange(wanted.size())) {
       if (node_stream && sums[i].has_storage() && sums[i].storage().data() != recorded) {
         record_on(sums[i], *node_stream);
         recorded = sums[i].storage().data();
       }
-      // Note [Delivering bucket sums directly]: straight to .grad where nothing can read it early.
-      if (delivery_ && delivery_->assign(delivery_->tensor_index(bucket_index_, wanted[i]),
-                                         next_edge(wanted[i]), sums[i])) {
-        continue;
+      if (delivery_ && !delivery_->may_defer(delivery_->tensor_index(bucket_index_, wanted[i]),
+                                             next_edge(wanted[i]), sums[i])) {
+        wait_now = true;
       }
       result[wanted[i]] = std::move(sums[i]);
-      passed_on = true;
     }
-    if (delivery_ && node_stream && passed_on) {
-      // Sums passed on go to their consumers on the forward stream: order it after this
-      // bucket's reduction.
-      c10::Event reduced(source_.type());
-      reduced.record(*side_streams_[0]);
-      node_stream->wait(reduced);
+    if (delivery_ && node_stream) {
+      // The sums go to their consumers on the forward stream (Note [Delivering bucket sums
+      // directly]): order it after the reductions, now or at the pass's last bucket.
+      const bool last = delivery_->last_deferred_bucket();
+      if (wait_now || last) {
+        c10::Event reduced(source_.type());
+        reduced.record(*side_streams_[0]);
+        node_stream->wait(reduced);
+      }
     }
     return result;
   }
@@ -705,7 +739,7 @@ std::vector<std::vector<at::Tensor>> broadcast_coalesced(at::TensorList tensors,
   NodePtr join;
   std::shared_ptr<BucketDelivery> delivery;
   if (direct) {
-    delivery = std::make_shared<BucketDelivery>(tensors.vec(), buckets, source, side[0]);
+    delivery = std::make_shared<BucketDelivery>(tensors.vec(), buckets);
   } else {
     join = make_node<BroadcastJoin>(source, side[0]);
     join->set_next_edges(edges_of(tensors));
@@ -722,6 +756,9 @@ std::vector<std::vector<at::Tensor>> broadcast_coalesced(at::TensorList tensors,
     const auto& bucket = buckets[b];
     auto node = make_node<BroadcastBackward>(source, devices, bucket.size(), reduce_buffer_size,
                                              side, delivery, b);
+    if (delivery) {
+      delivery->set_node(b, node.get());
+    }
     torch::autograd::edge_list next;
     next.reserve(bucket.size());
     for (auto k : bucket) {
@@ -836,8 +873,8 @@ at::Tensor gather(at::TensorList inputs_in, c10::Device destination, int64_t dim
   return output;
 }
 
-int64_t directly_assigned_gradients() {
-  return directly_assigned.load(std::memory_order_relaxed);
+int64_t deferred_gradient_sums() {
+  return deferred_sums.load(std::memory_order_relaxed);
 }
 
 size_t grad_bucket_size() {

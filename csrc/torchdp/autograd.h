@@ -45,10 +45,10 @@ class GradBucketSizeGuard {
   std::optional<size_t> previous_;
 };
 
-/// How many bucket sums, since the process started, were set as a parameter's .grad by the bucket
-/// node itself (TORCHDP_GRAD_DELIVERY=bucket; see Note [Delivering bucket sums directly] in
-/// autograd.cpp) instead of passing through the parameter's AccumulateGrad node.
-int64_t directly_assigned_gradients();
+/// How many gradient bucket sums, since the process started, went to their parameters without a
+/// stream wait of their own, their bucket's wait deferred to the pass's last bucket
+/// (TORCHDP_GRAD_DELIVERY=bucket; see Note [Delivering bucket sums directly] in autograd.cpp).
+int64_t deferred_gradient_sums();
 
 /// Bytes of a bucket size given in MiB (as DDP's bucket_cap_mb), checked: finite and >= 0.
 size_t bucket_bytes_from_mib(double mib, const char* api);

@@ -338,7 +338,7 @@ def test_bucket_reduction_waits_for_the_second_gpus_backward(monkeypatch, delive
     reduction is issued while GPU 1 is still computing that bucket's gradients. Every side stream
     must wait for them (the engine orders only the node's own stream), and GPU 0's current stream
     for the sums before reading them: with TORCHDP_GRAD_DELIVERY=bucket, bucket by bucket when they
-    are accumulated into existing gradients, once at the end of the pass when they become .grad."""
+    are added to existing gradients, once, at the pass's last bucket, when they become .grad."""
     monkeypatch.setenv("TORCHDP_GRAD_DELIVERY", delivery)
     assert_gpu_bound_buckets_ordered(
         cuda_devices(2), bucket_cap_mb=1, layers=4, set_to_none=set_to_none

@@ -192,13 +192,13 @@ def test_bucketed_reduction_is_ordered_with_a_gpu_bound_backward(
 ):
     # Two replicas on one GPU (one side stream): see assert_gpu_bound_buckets_ordered.
     dev = torch.device("cuda", 0)
-    before = torchdp._C.directly_assigned_gradients()
+    before = torchdp._C.deferred_gradient_sums()
     assert_gpu_bound_buckets_ordered(
         [dev, dev], bucket_cap_mb=bucket_cap_mb, layers=3, set_to_none=set_to_none
     )
-    assigned = torchdp._C.directly_assigned_gradients() - before
-    # Bucket delivery assigns every sum itself when .grad was None (6 tensors x 3 attempts).
-    assert assigned == (18 if delivery == "bucket" and set_to_none else 0)
+    deferred = torchdp._C.deferred_gradient_sums() - before
+    # Bucket delivery defers every bucket's wait when .grad was None (6 tensors x 3 attempts).
+    assert deferred == (18 if delivery == "bucket" and set_to_none else 0)
 
 
 @pytest.mark.needs_cuda
@@ -314,8 +314,8 @@ def test_bad_delivery_is_named(monkeypatch):
         torchdp.replicate(_mlp(), cpu_devices(2))
 
 
-def _assigned() -> int:
-    return torchdp._C.directly_assigned_gradients()
+def _deferred() -> int:
+    return torchdp._C.deferred_gradient_sums()
 
 
 class TiedOutside(nn.Module):
@@ -335,9 +335,9 @@ def _tied_loss(model: nn.Module, net: TiedOutside, x: torch.Tensor) -> torch.Ten
 
 
 @pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
-def test_bucket_delivery_assigns_sums_nothing_else_reads(monkeypatch):
-    # Note [Delivering bucket sums directly]: a sum becomes .grad without passing through
-    # AccumulateGrad only when nothing can read it before the pass ends; everything else passes on.
+def test_bucket_delivery_defers_waits_for_sums_nothing_reads(monkeypatch, recwarn):
+    # Note [Delivering bucket sums directly]: a bucket's stream wait is deferred to the pass's last
+    # bucket only for sums that AccumulateGrad takes without reading them; the others wait.
     monkeypatch.setenv(DELIVERY, "bucket")
     monkeypatch.setenv(ENV, "0.000001")  # every tensor in a bucket of its own
     x = torch.randn(8, 6)
@@ -351,34 +351,36 @@ def test_bucket_delivery_assigns_sums_nothing_else_reads(monkeypatch):
         for (name, p), q in zip(net.named_parameters(), ref.parameters(), strict=True):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
 
-    # Plain: all four sums assigned.
+    # Plain: all four deferred (and taken as they were: no warning at the end of the pass).
     net, ref, dp = fresh()
-    before = _assigned()
+    before = _deferred()
     dp(x).pow(2).sum().backward()
     ref(x).pow(2).sum().backward()
-    assert _assigned() - before == 4
+    assert _deferred() - before == 4
     check(net, ref)
+    assert not [w for w in recwarn if "did not take" in str(w.message)]
 
-    # The weight also used outside the replicas has two producers: passed on, added on the stream.
+    # The weight also used outside the replicas has two producers: the engine adds its two
+    # gradients on the forward stream, so its bucket waits.
     net, ref, dp = fresh()
-    before = _assigned()
+    before = _deferred()
     _tied_loss(dp, net, x).backward()
     _tied_loss(ref, ref, x).backward()
-    assert _assigned() - before == 3
+    assert _deferred() - before == 3
     check(net, ref)
 
-    # Hooks see every gradient: a tensor hook and a post-accumulate-grad hook keep their
-    # parameters on AccumulateGrad's path, and they run with the summed gradient.
+    # Hooks read the gradient: a tensor hook and a post-accumulate-grad hook make their buckets
+    # wait, and they run with the summed gradient.
     net, ref, dp = fresh()
     seen: dict[str, torch.Tensor] = {}
     net.a.bias.register_hook(lambda g: seen.__setitem__("hook", g.clone()))
     net.b.weight.register_post_accumulate_grad_hook(
         lambda p: seen.__setitem__("post", p.grad.clone())
     )
-    before = _assigned()
+    before = _deferred()
     dp(x).pow(2).sum().backward()
     ref(x).pow(2).sum().backward()
-    assert _assigned() - before == 2
+    assert _deferred() - before == 2
     check(net, ref)
     torch.testing.assert_close(seen["hook"], ref.a.bias.grad)
     torch.testing.assert_close(seen["post"], ref.b.weight.grad)
@@ -388,71 +390,71 @@ def test_bucket_delivery_assigns_sums_nothing_else_reads(monkeypatch):
     for _ in range(2):
         dp(x).pow(2).sum().backward()
         ref(x).pow(2).sum().backward()
-    before = _assigned()
+    before = _deferred()
     dp(x).pow(2).sum().backward()
     ref(x).pow(2).sum().backward()
-    assert _assigned() - before == 0
+    assert _deferred() - before == 0
     check(net, ref)
 
     # The same module replicated twice in one forward: every parameter has two producers.
     net, ref, dp = fresh()
-    before = _assigned()
+    before = _deferred()
     (dp(x).pow(2).sum() + dp(2 * x).pow(2).sum()).backward()
     (ref(x).pow(2).sum() + ref(2 * x).pow(2).sum()).backward()
-    assert _assigned() - before == 0
+    assert _deferred() - before == 0
     check(net, ref)
 
     # torch.autograd.grad and create_graph never touch .grad directly.
     net, ref, dp = fresh()
-    before = _assigned()
+    before = _deferred()
     grads = torch.autograd.grad(dp(x).pow(2).sum(), list(net.parameters()))
     ref_grads = torch.autograd.grad(ref(x).pow(2).sum(), list(ref.parameters()))
-    assert _assigned() - before == 0
+    assert _deferred() - before == 0
     assert all(p.grad is None for p in net.parameters())
     for g, r in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6)
     net, ref, dp = fresh()
-    before = _assigned()
+    before = _deferred()
     dp(x).pow(2).sum().backward(create_graph=True)
     ref(x).pow(2).sum().backward(create_graph=True)
-    assert _assigned() - before == 0
+    assert _deferred() - before == 0
     check(net, ref)
     assert all(p.grad.requires_grad for p in net.parameters())
     net.zero_grad(set_to_none=True)  # break the parameter-gradient cycles create_graph made
     ref.zero_grad(set_to_none=True)
 
     # A plain backward through a double-backward graph (the penalty's input gradient was made
-    # with create_graph by torch.autograd.grad, which assigns nothing) assigns again.
+    # with create_graph by torch.autograd.grad, which defers nothing) defers again.
     net, ref, dp = fresh()
-    before = _assigned()
+    before = _deferred()
     gradient_penalty(dp, x).backward()
     gradient_penalty(ref, x).backward()
-    assert _assigned() - before == 4
+    assert _deferred() - before == 4
     check(net, ref)
 
 
 def test_bucket_delivery_keeps_the_gradient_layout(monkeypatch):
     # A channels_last weight takes its gradient in its own layout (AccumulateGrad copies the
-    # contiguous sum into it), so only the bias is assigned directly.
+    # contiguous sum into it, reading it), so only the bias's wait is deferred.
     monkeypatch.setenv(DELIVERY, "bucket")
     monkeypatch.setenv(ENV, "0.000001")
     torch.manual_seed(0)
     net = nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
     ref = clone_module(net)
     x = torch.randn(4, 3, 8, 8)
-    before = _assigned()
+    before = _deferred()
     torchdp.DataParallel(net, devices=cpu_devices(2))(x).pow(2).sum().backward()
     ref(x).pow(2).sum().backward()
-    assert _assigned() - before == 1
+    assert _deferred() - before == 1
     assert net.weight.grad.is_contiguous(memory_format=torch.channels_last)
     torch.testing.assert_close(net.weight.grad, ref.weight.grad, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(net.bias.grad, ref.bias.grad, rtol=1e-5, atol=1e-5)
 
 
-def test_join_delivery_never_assigns(monkeypatch):
+def test_join_delivery_never_defers(monkeypatch):
     monkeypatch.setenv(DELIVERY, "join")
     net = _mlp(layers=2, width=4)
-    before = _assigned()
+    before = _deferred()
     torchdp.DataParallel(net, devices=cpu_devices(2))(torch.randn(4, 4)).sum().backward()
-    assert _assigned() == before
+    assert _deferred() == before
     assert all(p.grad is not None for p in net.parameters())
