@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import os
 import shutil
 import statistics
 import sys
@@ -264,10 +265,12 @@ def profile_model(
     activities = [ProfilerActivity.CPU]
     if dev0.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
+    deferred = torchdp._C.deferred_gradient_sums()
     with profile(activities=activities) as prof:
         for _ in range(steps):
             step()
         common.synchronize(devices)
+    deferred = torchdp._C.deferred_gradient_sums() - deferred
     if trace_dir is not None:
         common.progress(f"{name}: trace in {write_trace(prof, trace_dir, name)}")
     phases: dict[str, float] = defaultdict(float)
@@ -295,6 +298,9 @@ def profile_model(
             f"cuda:{i}": round(us / steps / 1e3, 2) for i, us in sorted(gpu_us.items())
         },
         "gpu_idle": gpu_idle(busy, ranges, steps),
+        # Note [Delivering bucket sums directly] (csrc/torchdp/autograd.cpp)
+        "grad_delivery": os.environ.get("TORCHDP_GRAD_DELIVERY") or "join",
+        "deferred_gradient_sums_per_step": round(deferred / steps, 1),
         "top_ops_self_cpu_ms_per_step": [
             [e.key, round(e.self_cpu_time_total / steps / 1e3, 3), e.count // steps] for e in top
         ],
@@ -309,6 +315,18 @@ def markdown(records: list[dict[str, Any]]) -> str:
         "",
         "CPU ms per step spent in each phase (profiler ranges, wall time on the calling thread; the "
         "backward's device threads run in parallel with it) and GPU kernel ms per step per device.",
+        "",
+        "Gradient delivery (TORCHDP_GRAD_DELIVERY): "
+        + ", ".join(
+            f"{r['model']} {r.get('grad_delivery', 'join')}"
+            + (
+                f", {r['deferred_gradient_sums_per_step']} deferred sums per step"
+                if r.get("deferred_gradient_sums_per_step")
+                else ""
+            )
+            for r in records
+        )
+        + ".",
         "",
         "| model | devices | step ms | " + " | ".join(short) + " | GPU kernel ms |",
         "|---|---|---|" + "---|" * len(short) + "---|",

@@ -77,9 +77,11 @@ def test_results_validation_rejects_incomplete_records():
     )
 
 
-def test_profile_step_smoke_records_every_phase(tmp_path):
+@pytest.mark.parametrize("delivery", ["join", "bucket"])
+def test_profile_step_smoke_records_every_phase(tmp_path, delivery):
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO / "python"), env.get("PYTHONPATH", "")])
+    env["TORCHDP_GRAD_DELIVERY"] = delivery
     out = tmp_path / "profile.json"
     proc = subprocess.run(
         [
@@ -128,6 +130,11 @@ def test_profile_step_smoke_records_every_phase(tmp_path):
     assert "| mlp200 | cpu, cpu |" in table and "parallel_apply" in table
     assert "one device: step ms" in table
     assert rec["gpu_idle"] == {}  # CPU devices: no device activity
+    # The smoke MLP's 8 parameters start every step with .grad None: in bucket delivery no bucket
+    # waits for its own reduction (Note [Delivering bucket sums directly]).
+    assert rec["grad_delivery"] == delivery
+    assert rec["deferred_gradient_sums_per_step"] == (8.0 if delivery == "bucket" else 0.0)
+    assert f"mlp200 {delivery}" in table
 
 
 def test_profile_step_gpu_idle_finds_the_gaps_and_their_phases():
