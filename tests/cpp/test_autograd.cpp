@@ -519,6 +519,18 @@ struct BucketSizeEnv {
   }
 };
 
+// Sets TORCHDP_GRAD_DELIVERY for the scope of a test.
+struct DeliveryEnv {
+  explicit DeliveryEnv(const char* mode) {
+    setenv("TORCHDP_GRAD_DELIVERY", mode, 1);
+  }
+  ~DeliveryEnv() {
+    unsetenv("TORCHDP_GRAD_DELIVERY");
+  }
+  DeliveryEnv(const DeliveryEnv&) = delete;
+  DeliveryEnv& operator=(const DeliveryEnv&) = delete;
+};
+
 } // namespace
 
 TEST_CASE("autograd::broadcast_coalesced reduces in buckets with the same sums",
@@ -590,4 +602,46 @@ TEST_CASE("GradBucketSizeGuard overrides the environment on its thread", "[cpu][
   TORCHDP_CHECK_THROWS_WITH(torchdp::autograd::bucket_bytes_from_mib(-1, "api"), "api",
                             "bucket_cap_mb must be a non-negative number of MiB");
   CHECK(torchdp::autograd::bucket_bytes_from_mib(0.5, "api") == 512 * 1024);
+}
+
+TEST_CASE("bucket delivery defers the waits of sums nothing reads", "[cpu][autograd]") {
+  // Note [Delivering bucket sums directly]: with TORCHDP_GRAD_DELIVERY=bucket a sum that
+  // AccumulateGrad takes as it is needs no wait of its own; one that a hook reads, or that is
+  // added to an existing gradient, keeps its bucket's wait. The sums are the same either way.
+  BucketSizeEnv env("0.000001"); // every tensor in a bucket of its own
+  std::optional<DeliveryEnv> delivery(std::in_place, "bucket");
+  const auto a = leaf({4, 3});
+  const auto b = leaf({5});
+  const auto c = leaf({2, 2});
+  int hook_calls = 0;
+  c.register_hook([&hook_calls](const torch::Tensor& g) {
+    ++hook_calls;
+    return g;
+  });
+  auto step = [&] {
+    const auto out = torchdp::autograd::broadcast_coalesced({a, b, c}, cpu_devices(2));
+    auto loss = torch::zeros({});
+    for (size_t j = 0; j < 2; ++j) {
+      loss = loss + out[j][0].sum() + out[j][1].pow(2).sum() + out[j][2].sum() * 3;
+    }
+    loss.backward();
+  };
+  const auto before = torchdp::autograd::deferred_gradient_sums();
+  step();
+  // a and b: taken as they are; c: its hook reads the sum.
+  CHECK(torchdp::autograd::deferred_gradient_sums() - before == 2);
+  CHECK(hook_calls == 1);
+  CHECK(torch::allclose(a.grad(), torch::full({4, 3}, 2.0)));
+  CHECK(torch::allclose(b.grad(), 4 * b.detach()));
+  CHECK(torch::allclose(c.grad(), torch::full({2, 2}, 6.0)));
+  step(); // every gradient exists now: added to, no deferral
+  CHECK(torchdp::autograd::deferred_gradient_sums() - before == 2);
+  CHECK(torch::allclose(a.grad(), torch::full({4, 3}, 4.0)));
+  CHECK(torch::allclose(c.grad(), torch::full({2, 2}, 12.0)));
+  delivery.reset(); // the default: join
+  const auto join_before = torchdp::autograd::deferred_gradient_sums();
+  a.mutable_grad().reset();
+  step(); // the join delivers all sums at once: nothing to defer
+  CHECK(torchdp::autograd::deferred_gradient_sums() == join_before);
+  CHECK(torch::allclose(a.grad(), torch::full({4, 3}, 2.0)));
 }
