@@ -338,7 +338,6 @@ class BucketDelivery : public std::enable_shared_from_this<BucketDelivery> {
       return false;
     }
     pass.deferred.emplace_back(k, sum.data_ptr());
-    deferred_sums.fetch_add(1, std::memory_order_relaxed);
     return true;
   }
 
@@ -551,6 +550,9 @@ struct BroadcastBackward : Node {
         wait_now = true;
       }
       result[wanted[i]] = std::move(sums[i]);
+    }
+    if (delivery_ && !wait_now) {
+      deferred_sums.fetch_add(static_cast<int64_t>(wanted.size()), std::memory_order_relaxed);
     }
     if (delivery_ && node_stream) {
       // The sums go to their consumers on the forward stream (Note [Delivering bucket sums

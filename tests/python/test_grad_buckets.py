@@ -458,3 +458,23 @@ def test_join_delivery_never_defers(monkeypatch):
     torchdp.DataParallel(net, devices=cpu_devices(2))(torch.randn(4, 4)).sum().backward()
     assert _deferred() == before
     assert all(p.grad is not None for p in net.parameters())
+
+
+def test_a_bucket_with_one_read_sum_waits_for_all(monkeypatch):
+    # One bucket for everything: a hook on one parameter makes the whole bucket wait, so none of
+    # its sums counts as deferred; without the hook all four do.
+    monkeypatch.setenv(DELIVERY, "bucket")
+    monkeypatch.setenv(ENV, "25")
+    x = torch.randn(8, 6)
+    for hooked in (False, True):
+        torch.manual_seed(0)
+        net = TiedOutside()
+        ref = clone_module(net)
+        if hooked:
+            net.b.bias.register_hook(lambda g: g * 1)
+        before = _deferred()
+        torchdp.DataParallel(net, devices=cpu_devices(2))(x).pow(2).sum().backward()
+        ref(x).pow(2).sum().backward()
+        assert _deferred() - before == (0 if hooked else 4)
+        for p, q in zip(net.parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
