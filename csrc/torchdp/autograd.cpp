@@ -177,14 +177,18 @@ void record_on(const at::Tensor& t, const c10::Stream& stream) {
   }
 }
 
-// Makes the current stream of `done`'s device wait for the work queued on `done` so far.
-void current_stream_waits_for(const c10::Stream& done) {
-  const auto current = c10::impl::VirtualGuardImpl(done.device_type()).getStream(done.device());
-  if (current != done) {
+// Makes `waiter` wait for the work queued on `done` so far (nothing when they are one stream).
+void stream_waits_for(const c10::Stream& waiter, const c10::Stream& done) {
+  if (waiter != done) {
     c10::Event event(done.device_type());
     event.record(done);
-    current.wait(event);
+    waiter.wait(event);
   }
+}
+
+// The current stream of `device` on this thread.
+c10::Stream current_stream(c10::Device device) {
+  return c10::impl::VirtualGuardImpl(device.type()).getStream(device);
 }
 
 // Bucket boundaries over tensor indices, from the end of the list (each bucket's indices ascend).
@@ -461,7 +465,7 @@ struct BroadcastJoin : Node {
   variable_list apply(variable_list&& grads) override {
     if (source_side_stream_) {
       // The sums were made on the side stream (Note [Gradient buckets and reduction streams]).
-      current_stream_waits_for(*source_side_stream_);
+      stream_waits_for(current_stream(source_), *source_side_stream_);
     }
     variable_list result(grads.size());
     for (const auto k : c10::irange(grads.size())) {
@@ -517,7 +521,7 @@ struct BroadcastBackward : Node {
     // source device now, is the forward stream where the sums will be consumed.
     std::optional<c10::Stream> node_stream;
     if (side_streams_[0]) {
-      node_stream = c10::impl::VirtualGuardImpl(source_.type()).getStream(source_);
+      node_stream = current_stream(source_);
       order_side_streams(*node_stream);
     }
     std::vector<c10::Stream> side;
@@ -559,9 +563,7 @@ struct BroadcastBackward : Node {
       // directly]): order it after the reductions, now or at the pass's last bucket.
       const bool last = delivery_->last_deferred_bucket();
       if (wait_now || last) {
-        c10::Event reduced(source_.type());
-        reduced.record(*side_streams_[0]);
-        node_stream->wait(reduced);
+        stream_waits_for(*node_stream, *side_streams_[0]);
       }
     }
     return result;
@@ -577,13 +579,7 @@ struct BroadcastBackward : Node {
       if (stream->device() == source_) {
         continue;
       }
-      const auto producing =
-          c10::impl::VirtualGuardImpl(stream->device_type()).getStream(stream->device());
-      if (producing != *stream) {
-        c10::Event produced(stream->device_type());
-        produced.record(producing);
-        stream->wait(produced);
-      }
+      stream_waits_for(*stream, current_stream(stream->device()));
     }
   }
 
