@@ -13,6 +13,10 @@ PYTHON ?= python3
 BUILD ?= build
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 TORCH_VERSION ?= 2.13.0
+# pip's default index serves the CUDA build of torch on Linux; a CPU-only machine that reaches the
+# internet can take the CPU build with TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu (the CI
+# and development machines have the CPU wheel in pip's local wheel folder and leave it empty).
+TORCH_INDEX_URL ?=
 CMAKE_ARGS ?=
 
 ifeq ($(TORCHDP_REQUIRE_CUDA),1)
@@ -24,12 +28,13 @@ endif
 
 all: build
 
-# Installs only what is missing: torch (the CPU wheel pinned above) with pip; CMake, a C++ compiler
+# Installs only what is missing: torch (the version pinned above) with pip; CMake, a C++ compiler
 # and Catch2 with apt, and then Ninja and ccache too (they speed builds up but are optional, so a
 # machine without network access that has the required tools, like the GPU machine, installs nothing).
 deps:
 	@$(PYTHON) -c "import torch" 2>/dev/null || { echo "== installing torch==$(TORCH_VERSION)"; \
-	  $(PYTHON) -m pip install --quiet "torch==$(TORCH_VERSION)"; }
+	  $(PYTHON) -m pip install --quiet $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL)) \
+	    "torch==$(TORCH_VERSION)"; }
 	@missing=""; \
 	command -v cmake >/dev/null || missing="$$missing cmake"; \
 	command -v g++ >/dev/null || missing="$$missing g++"; \

@@ -137,6 +137,13 @@ constexpr uint64_t kRunWhenReady = std::numeric_limits<uint64_t>::max();
 
 thread_local std::optional<size_t> bucket_size_override;
 
+// Bytes of `mib` MiB; sizes beyond any device's memory (they mean "one bucket after the first
+// 1 MiB") are clamped to 2^62 instead of overflowing the conversion.
+size_t mib_to_bytes(double mib) {
+  constexpr double kMaxBytes = static_cast<double>(uint64_t{1} << 62);
+  return static_cast<size_t>(std::min(mib * 1024 * 1024, kMaxBytes));
+}
+
 // TORCHDP_GRAD_BUCKET_MB: the bucket size in MiB (default 25, as DistributedDataParallel); 0 puts
 // every tensor in one bucket, reduced after the whole backward pass, on the current streams.
 size_t bucket_size_from_environment() {
@@ -144,14 +151,17 @@ size_t bucket_size_from_environment() {
   if (env == nullptr || *env == '\0') {
     return kDefaultGradBucketSize;
   }
+  // A plain decimal number only: strtod alone would also take leading blanks, hex and "inf".
+  const std::string text(env);
+  const bool plain = text.find_first_not_of("0123456789.eE+-") == std::string::npos;
   char* end = nullptr;
   const double mib = std::strtod(env, &end);
   TORCH_CHECK(
-      end != env && *end == '\0' && mib >= 0 && std::isfinite(mib),
+      plain && end != env && *end == '\0' && mib >= 0 && std::isfinite(mib),
       "torchdp: TORCHDP_GRAD_BUCKET_MB must be a non-negative number of MiB (0: one bucket, "
       "no overlap), got '",
       env, "'");
-  return static_cast<size_t>(mib * 1024 * 1024);
+  return mib_to_bytes(mib);
 }
 
 // The reduction stream of a CUDA device (null for other devices, and when overlap is off).
@@ -892,7 +902,7 @@ size_t bucket_bytes_from_mib(double mib, const char* api) {
                     ": bucket_cap_mb must be a non-negative number of MiB (0: one bucket, reduced "
                     "after the whole backward pass), got ",
                     mib);
-  return static_cast<size_t>(mib * 1024 * 1024);
+  return mib_to_bytes(mib);
 }
 
 } // namespace torchdp::autograd

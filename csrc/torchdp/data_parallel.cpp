@@ -80,7 +80,7 @@ std::vector<at::Tensor> DataParallelImpl::run(std::vector<at::Tensor> inputs, co
     for (auto& x : inputs) {
       x = x.to(device_ids_.front());
     }
-    return {call(any_, inputs).to(*output_device_)};
+    return {call(any_, inputs)};
   }
   std::vector<std::vector<at::Tensor>> chunks(inputs.size());
   size_t n = device_ids_.size();
@@ -111,8 +111,11 @@ std::vector<at::Tensor> DataParallelImpl::run(std::vector<at::Tensor> inputs, co
 }
 
 at::Tensor DataParallelImpl::join(std::vector<at::Tensor> outputs) const {
-  if (device_ids_.size() <= 1) { // passthrough or one device: already where it belongs
+  if (device_ids_.empty()) { // passthrough: where the module put it
     return std::move(outputs.front());
+  }
+  if (device_ids_.size() == 1) { // one device: no gather, only the move to output_device
+    return outputs.front().to(*output_device_);
   }
   return autograd::gather(outputs, *output_device_, options.dim());
 }

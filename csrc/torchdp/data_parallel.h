@@ -34,7 +34,8 @@ struct DataParallelOptions {
   /// instead of raising an error.
   TORCH_ARG(bool, place_module) = false;
   /// Size in MiB of the gradient buckets reduced while the backward pass runs (as DDP's
-  /// bucket_cap_mb; 0: one bucket, reduced at the end). Default: TORCHDP_GRAD_BUCKET_MB, else 25.
+  /// bucket_cap_mb; 0: one bucket, reduced at the end; the first bucket, holding the last
+  /// parameters, is at most 1 MiB, as DDP's). Default: TORCHDP_GRAD_BUCKET_MB, else 25.
   TORCH_ARG(std::optional<double>, bucket_cap_mb) = std::nullopt;
 };
 

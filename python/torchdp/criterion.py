@@ -17,9 +17,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchdp import _C
 from torchdp.parallel_apply import get_a_var
 from torchdp.replicate import replicate
-from torchdp.scatter_gather import DeviceLike, _to_device, gather, scatter_kwargs
+from torchdp.scatter_gather import DeviceLike, _check_dim, _to_device, gather, scatter_kwargs
 
 __all__ = ["DataParallelCriterion"]
 
@@ -84,7 +85,9 @@ class DataParallelCriterion(nn.Module):
             )
         self.criterion = criterion
         self.output_device = None if output_device is None else _to_device(output_device, _API)
-        self.dim = dim
+        if self.output_device is not None:
+            _C.normalize_devices([self.output_device], f"{_API} (output_device)")
+        self.dim = _check_dim(dim, _API)
         self.reduction = reduction
 
     def _criteria(self, devices: list[torch.device]) -> list[Callable[..., Any]]:
@@ -133,6 +136,7 @@ class DataParallelCriterion(nn.Module):
                     f"{self.dim} (batch size {sizes[0] if sizes else '?'}), but there are {n} "
                     "outputs; pass targets with the same batch size as the inputs"
                 )
+            _check_target_sizes(outputs, split_targets, split_kwargs, self.dim)
         else:
             split_targets, split_kwargs = ((),) * n, ({},) * n
         criteria = self._criteria(devices)
@@ -164,6 +168,35 @@ class DataParallelCriterion(nn.Module):
         total = float(sum(counts))
         # Python-scalar weights: no host-to-device copy, which would wait for the GPU every step.
         return torch.stack([loss * (c / total) for loss, c in zip(moved, counts)]).sum()
+
+
+def _check_target_sizes(
+    outputs: Sequence[Any],
+    split_targets: Sequence[tuple[Any, ...]],
+    split_kwargs: Sequence[dict[str, Any]],
+    dim: int,
+) -> None:
+    """Each replica's target chunks must have as many samples along ``dim`` as its output: the
+    chunks of a target with another batch size than the inputs' would otherwise be paired with the
+    wrong samples (and weigh the mean wrongly) without any error."""
+    for i, (out, tgt, kw) in enumerate(zip(outputs, split_targets, split_kwargs, strict=True)):
+        o = get_a_var(out)
+        if o is None or o.dim() <= dim:
+            continue
+        for t in (*tgt, *kw.values()):
+            if isinstance(t, torch.Tensor) and t.dim() > dim and t.shape[dim] != o.shape[dim]:
+                out_sizes = [_size_along(x, dim) for x in outputs]
+                raise ValueError(
+                    f"{_API}: replica {i}'s target chunk has {t.shape[dim]} samples along dim "
+                    f"{dim} but its output has {o.shape[dim]} (outputs per replica: {out_sizes}, "
+                    f"{sum(s for s in out_sizes if s is not None)} in all); pass targets with the "
+                    "same batch size as the inputs of the DataParallel forward"
+                )
+
+
+def _size_along(output: Any, dim: int) -> int | None:
+    t = get_a_var(output)
+    return None if t is None or t.dim() <= dim else int(t.shape[dim])
 
 
 def _batch_size(targets: tuple[Any, ...], output: Any, dim: int) -> int:

@@ -22,8 +22,15 @@ from torch._utils import (
 from torchdp import _C
 from torchdp._attributes import check_stale_attribute_policy
 from torchdp.parallel_apply import parallel_apply
-from torchdp.replicate import _bucket_bytes, replicate
-from torchdp.scatter_gather import DeviceLike, _to_device, _to_devices, gather, scatter_kwargs
+from torchdp.replicate import _bucket_bytes, _check_module, replicate
+from torchdp.scatter_gather import (
+    DeviceLike,
+    _check_dim,
+    _to_device,
+    _to_devices,
+    gather,
+    scatter_kwargs,
+)
 
 __all__ = ["DataParallel", "data_parallel"]
 
@@ -86,6 +93,9 @@ def _resolve_explicit(
         )
     device_list = _explicit_devices(devices, api)
     output = device_list[0] if output_device is None else _output_device_of(output_device, api)
+    # CUDA devices that this process cannot use fail here, not at the first forward.
+    _C.normalize_devices(device_list, api)
+    _C.normalize_devices([output], f"{api} (output_device)")
     return device_list, output
 
 
@@ -175,7 +185,8 @@ class DataParallel(_TorchDataParallel[T]):
             must keep the default, or they wait forever. Default: ``False``.
         bucket_cap_mb (float, keyword-only): size in MiB of the gradient buckets reduced while
             the backward pass runs, as DDP's ``bucket_cap_mb`` (``0``: one bucket, reduced at the
-            end). Default: ``TORCHDP_GRAD_BUCKET_MB``, else 25.
+            end); as in DDP the first bucket (the last parameters) holds at most 1 MiB, so that
+            the first reduction starts early. Default: ``TORCHDP_GRAD_BUCKET_MB``, else 25.
         stale_attributes (str, keyword-only): what to do with plain (unregistered) attributes of
             the replicas on the other devices that still hold tensors on ``device_ids[0]`` or the
             module's own submodules, directly or inside lists, tuples and dicts (a non-buffer
@@ -218,6 +229,7 @@ class DataParallel(_TorchDataParallel[T]):
         # isinstance checks.
         nn.Module.__init__(self)
         torch._C._log_api_usage_once("torchdp.DataParallel")
+        dim = _check_dim(dim, "torchdp.DataParallel")
         self._place_module = bool(place_module)
         self._placed = False
         self.gather_output = bool(gather_output)
@@ -232,6 +244,7 @@ class DataParallel(_TorchDataParallel[T]):
             device_list, self.output_device = _resolve_explicit(
                 devices, device_ids, output_device, "torchdp.DataParallel"
             )
+            _check_module(module, "torchdp.DataParallel")
             self.dim = dim
             self.module = module
             self.device_ids = device_list
@@ -257,6 +270,7 @@ class DataParallel(_TorchDataParallel[T]):
         if output_device is None:
             output_device = device_ids[0]
 
+        _check_module(module, "torchdp.DataParallel")
         self.dim = dim
         self.module = module
         self.device_ids = [_get_device_index(x, True) for x in device_ids]
@@ -380,6 +394,8 @@ def data_parallel(
         >>> out = torchdp.data_parallel(model, x, devices=[torch.device("cpu")] * 2)
     """
     check_stale_attribute_policy(stale_attributes, "torchdp.data_parallel")
+    _check_module(module, "torchdp.data_parallel")
+    dim = _check_dim(dim, "torchdp.data_parallel")
     if not isinstance(inputs, tuple):
         inputs = (inputs,) if inputs is not None else ()
 

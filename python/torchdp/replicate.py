@@ -39,6 +39,7 @@ __all__ = ["replicate"]
 T = TypeVar("T", bound=nn.Module)
 
 _API = "torchdp.replicate"
+_MAX_BUCKET_BYTES = 1 << 62
 
 
 class CallbackContext:
@@ -49,6 +50,15 @@ class CallbackContext:
 def _module_paths(network: nn.Module) -> dict[int, str]:
     # Qualified names in network.named_modules() order; the first name of a shared module wins.
     return {id(m): name for name, m in network.named_modules()}
+
+
+def _path_of(module: nn.Module, root: nn.Module) -> str:
+    # Only on failure: the qualified name of ``module`` in ``root`` (replica 0 has the original's
+    # names).
+    for name, m in root.named_modules():
+        if m is module:
+            return name or "<root>"
+    return "?"
 
 
 def _run_post_replicate_hooks(
@@ -99,7 +109,27 @@ def _run_replication_callbacks(copies: list[list[nn.Module]]) -> None:
     contexts = {p: CallbackContext() for p in callbacks}
     for copy_id, replica_modules in enumerate(copies):
         for p in callbacks:
-            replica_modules[p].__data_parallel_replicate__(contexts[p], copy_id)
+            module = replica_modules[p]
+            try:
+                module.__data_parallel_replicate__(contexts[p], copy_id)
+            except Exception as e:
+                # The exception keeps its type (SyncBN code may catch it); the note (Python >=
+                # 3.11) says where it came from.
+                if hasattr(e, "add_note"):
+                    e.add_note(
+                        f"{_API}: raised by the __data_parallel_replicate__ callback of module "
+                        f"{_path_of(copies[0][p], copies[0][0])!r} (type "
+                        f"{type(module).__qualname__}) for copy_id {copy_id}"
+                    )
+                raise
+
+
+def _check_module(network: object, api: str) -> None:
+    if not isinstance(network, nn.Module):
+        raise TypeError(
+            f"{api}: expected a torch.nn.Module, got {type(network).__qualname__}; wrap a plain "
+            "function in an nn.Module whose forward calls it"
+        )
 
 
 def _bucket_bytes(bucket_cap_mb: float | None, api: str) -> int | None:
@@ -116,7 +146,9 @@ def _bucket_bytes(bucket_cap_mb: float | None, api: str) -> int | None:
             f"{api}: bucket_cap_mb must be a non-negative number of MiB (0: one bucket, reduced "
             f"after the whole backward pass), got {bucket_cap_mb!r}"
         )
-    return int(bucket_cap_mb * 1024 * 1024)
+    # Sizes beyond any device's memory mean "one bucket that starts after the first 1 MiB"; kept
+    # within int64 for the C++ side.
+    return int(min(bucket_cap_mb * 1024 * 1024, float(_MAX_BUCKET_BYTES)))
 
 
 def replicate(
@@ -162,6 +194,7 @@ def replicate(
         >>> replicas = torchdp.replicate(model, [torch.device("cpu")] * 2)
         >>> replicas[1](x)
     """
+    _check_module(network, _API)
     check_stale_attribute_policy(stale_attributes, _API)
     if not devices:
         return []

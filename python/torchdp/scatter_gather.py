@@ -50,8 +50,11 @@ def _to_device(device: Any, api: str) -> torch.device:
     if isinstance(device, str):
         try:
             device = torch.device(device)
-        except RuntimeError as e:
-            raise ValueError(f"{api}: {device!r} is not a device: {e}") from e
+        except RuntimeError as e:  # RuntimeError, as torch.device (and so torch.nn.parallel) raises
+            raise RuntimeError(
+                f"{api}: {device!r} is not a device: {e}; use e.g. 'cuda:0', 'cpu' or an int "
+                "CUDA index"
+            ) from e
     if isinstance(device, torch.device):
         if device.type in _INDEXLESS_TYPES:
             return torch.device(device.type)
@@ -83,6 +86,18 @@ def _to_devices(devices: Sequence[Any], api: str) -> list[torch.device]:
             f"wrap it in a list: [{devices!r}]"
         )
     return [_to_device(d, api) for d in devices]
+
+
+def _check_dim(dim: Any, api: str) -> int:
+    """``dim`` as an int (numpy and other integer types accepted), or a TypeError naming ``api``."""
+    if not isinstance(dim, bool):
+        try:
+            return operator.index(dim)
+        except TypeError:
+            pass
+    raise TypeError(
+        f"{api}: dim must be an int (the batch dimension), got {type(dim).__qualname__} {dim!r}"
+    )
 
 
 def _device_label(device: torch.device) -> int | str:
@@ -162,7 +177,7 @@ def scatter(inputs: Any, target_gpus: Sequence[DeviceLike], dim: int = 0) -> Any
         ([2, 2], 'tag')
     """
     devices = _to_devices(target_gpus, "torchdp.scatter")
-    return _scatter_map(inputs, devices, dim)
+    return _scatter_map(inputs, devices, _check_dim(dim, "torchdp.scatter"))
 
 
 def scatter_kwargs(
@@ -228,10 +243,25 @@ class _GatherTarget:
 def _gather_map(outputs: Sequence[Any], target: _GatherTarget, dim: int) -> Any:
     out = outputs[0]
     if isinstance(out, torch.Tensor):
+        for i, other in enumerate(outputs):
+            if not isinstance(other, torch.Tensor):
+                raise TypeError(
+                    f"torchdp.gather: output 0 holds a tensor where output {i} holds "
+                    f"{type(other).__qualname__}; every replica must return the same structure"
+                )
         target.used = True
         return _C.gather(list(outputs), target.device, dim, True)
     if out is None:
         return None
+    if isinstance(out, (str, bytes)) or not hasattr(out, "__iter__"):
+        # PyTorch fails here with "'float' object is not iterable", or turns strings into the
+        # text of a map object.
+        raise TypeError(
+            f"torchdp.gather: cannot gather replica outputs of type {type(out).__qualname__} "
+            f"({out!r:.60}); outputs must be tensors, None, or lists, tuples, dicts or named "
+            "tuples of them: return e.g. torch.tensor(value) instead (torchdp.DataParallel with "
+            "gather_output=False returns the per-replica outputs as they are)"
+        )
     if isinstance(out, dict):
         if not all(len(out) == len(d) for d in outputs):
             raise ValueError("All dicts must have the same number of keys")
@@ -268,7 +298,7 @@ def gather(outputs: Any, target_device: DeviceLike, dim: int = 0) -> Any:
         torch.Size([3, 3])
     """
     target = _GatherTarget(target_device)
-    result = _gather_map(outputs, target, dim)
+    result = _gather_map(outputs, target, _check_dim(dim, "torchdp.gather"))
     if target.minus_one and target.used:
         # torch.cuda.comm.gather's warning, once per call (PyTorch warns once per tensor).
         warnings.warn(

@@ -576,10 +576,22 @@ TEST_CASE("autograd::broadcast_coalesced cuts buckets from the end of the list",
 }
 
 TEST_CASE("autograd::broadcast_coalesced rejects a bad TORCHDP_GRAD_BUCKET_MB", "[cpu][autograd]") {
-  BucketSizeEnv env("-3");
+  const char* bad = GENERATE("-3", " 25", "0x10", "inf", "25 ");
+  BucketSizeEnv env(bad);
   const auto x = leaf({2});
   TORCHDP_CHECK_THROWS_WITH(torchdp::autograd::broadcast_coalesced({x}, cpu_devices(2)),
-                            "TORCHDP_GRAD_BUCKET_MB must be a non-negative", "'-3'");
+                            "TORCHDP_GRAD_BUCKET_MB must be a non-negative",
+                            std::string("'") + bad + "'");
+}
+
+TEST_CASE("bucket sizes beyond memory are clamped, not overflowed", "[cpu][autograd]") {
+  constexpr size_t kClamp = size_t{1} << 62;
+  {
+    BucketSizeEnv env("1e300");
+    CHECK(torchdp::autograd::grad_bucket_size() == kClamp);
+  }
+  CHECK(torchdp::autograd::bucket_bytes_from_mib(1e30, "api") == kClamp);
+  CHECK(torchdp::autograd::bucket_bytes_from_mib(2.5, "api") == size_t{5} << 19);
 }
 
 TEST_CASE("GradBucketSizeGuard overrides the environment on its thread", "[cpu][autograd]") {

@@ -328,6 +328,13 @@ TEST_CASE("forward_replicas on one device and parallel_loss errors", "[cpu][data
   auto single = one->forward_replicas(x);
   REQUIRE(single.size() == 1);
   CHECK(torch::allclose(single[0], linear->forward(x)));
+  // One device: forward_replicas leaves the output on the replica's device, forward moves it to
+  // output_device.
+  torchdp::DataParallel to_meta(linear, on(cpu_devices(1)).output_device(torch::kMeta));
+  auto kept = to_meta->forward_replicas(x);
+  REQUIRE(kept.size() == 1);
+  CHECK(kept[0].device().is_cpu());
+  CHECK(to_meta->forward(x).device().is_meta());
   // A batch of 1 on 2 devices still gathers (one replica) where output_device says.
   torchdp::DataParallel two(linear, on(cpu_devices(2)).output_device(torch::Device(torch::kCPU)));
   CHECK(two->forward(torch::randn({1, 3})).size(0) == 1);

@@ -119,6 +119,35 @@ def test_criterion_errors_name_the_problem_and_the_fix():
         per_sample(dp(x), y)
 
 
+def test_targets_with_another_batch_size_are_refused():
+    # 3 targets for 4 samples split into as many chunks (2 and 1) as there are outputs (2 and 2):
+    # without the check the chunks would be paired with the wrong samples and the mean weighted
+    # 2/3 : 1/3, silently.
+    dp = torchdp.DataParallel(nn.Linear(3, 1), devices=cpu_devices(2), gather_output=False)
+    outputs = dp(torch.randn(4, 3))
+    crit = torchdp.DataParallelCriterion(lambda o, t: (o.squeeze(1) - t).pow(2).mean())
+    with pytest.raises(
+        ValueError,
+        match=r"replica 1's target chunk has 1 samples along dim 0 but its output has 2 "
+        r"\(outputs per replica: \[2, 2\], 4 in all\)",
+    ):
+        crit(outputs, torch.randn(3))
+    with pytest.raises(ValueError, match="replica 1's target chunk has 1 samples"):
+        crit(outputs, t=torch.randn(3))
+    # The same batch size passes, and equals the whole-batch loss.
+    t = torch.randn(4)
+    expected = (torchdp.gather(outputs, "cpu").squeeze(1) - t).pow(2).mean()
+    torch.testing.assert_close(crit(outputs, t), expected)
+
+
+def test_criterion_argument_checks():
+    with pytest.raises(TypeError, match="torchdp.DataParallelCriterion: dim must be an int"):
+        torchdp.DataParallelCriterion(nn.MSELoss(), dim="a")
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match=r"output_device\).*cuda:0.*no CUDA device"):
+            torchdp.DataParallelCriterion(nn.MSELoss(), output_device=0)
+
+
 def test_structured_outputs_and_targets():
     # Outputs as (logits, aux) tuples and the targets as a dict: the criterion sees each replica's
     # own structures.

@@ -157,8 +157,42 @@ def test_devices_keyword_errors():
         torchdp.DataParallel(_net(), devices=[])
     with pytest.raises(TypeError, match="torchdp.DataParallel: expected a list of devices"):
         torchdp.DataParallel(_net(), devices=CPU)
-    with pytest.raises(ValueError, match="torchdp.DataParallel: 'gpu7' is not a device"):
+    with pytest.raises(RuntimeError, match="torchdp.DataParallel: 'gpu7' is not a device"):
         torchdp.DataParallel(_net(), devices=["gpu7"])
+
+
+def test_constructor_checks_module_and_dim():
+    for bad in (None, lambda x: x, 3):
+        with pytest.raises(TypeError, match="torchdp.DataParallel: expected a torch.nn.Module"):
+            torchdp.DataParallel(bad, devices=cpu_devices(2))
+        with pytest.raises(TypeError, match="torchdp.data_parallel: expected a torch.nn.Module"):
+            torchdp.data_parallel(bad, torch.randn(4, 4), devices=cpu_devices(2))
+    for bad in ("a", None, 0.0):
+        with pytest.raises(TypeError, match="torchdp.DataParallel: dim must be an int"):
+            torchdp.DataParallel(_net(), devices=cpu_devices(2), dim=bad)
+        with pytest.raises(TypeError, match="torchdp.data_parallel: dim must be an int"):
+            torchdp.data_parallel(_net(), torch.randn(4, 4), dim=bad, devices=cpu_devices(2))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without CUDA")
+def test_cuda_devices_without_cuda_fail_at_construction():
+    with pytest.raises(RuntimeError, match="torchdp.DataParallel: device cuda:0 was requested"):
+        torchdp.DataParallel(_net(), devices=[0, 1])
+    with pytest.raises(
+        RuntimeError, match=r"torchdp.DataParallel \(output_device\): device cuda:0 was requested"
+    ):
+        torchdp.DataParallel(_net(), devices=cpu_devices(2), output_device=0)
+    with pytest.raises(
+        RuntimeError, match=r"torchdp.data_parallel \(output_device\): device cuda:0"
+    ):
+        torchdp.data_parallel(_net(), torch.randn(4, 4), devices=cpu_devices(2), output_device=0)
+
+
+def test_huge_bucket_sizes_mean_one_bucket_after_the_first():
+    net = _net()
+    dp = torchdp.DataParallel(net, devices=cpu_devices(2), bucket_cap_mb=1e13)
+    dp(torch.randn(4, 4)).sum().backward()
+    assert all(p.grad is not None for p in net.parameters())
 
 
 # ---------------------------------------------------------------------------------------------

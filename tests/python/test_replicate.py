@@ -271,6 +271,32 @@ def test_replicate_rejects_a_negative_index():
         torchdp.replicate(nn.Linear(2, 2), [-1])
 
 
+@pytest.mark.parametrize("bad", [3, None, lambda x: x])
+def test_replicate_rejects_what_is_not_a_module(bad):
+    with pytest.raises(TypeError, match="torchdp.replicate: expected a torch.nn.Module, got"):
+        torchdp.replicate(bad, cpu_devices(2))
+
+
+def test_a_failing_replication_callback_keeps_its_type_and_says_where():
+    class Failing(nn.Linear):
+        def __data_parallel_replicate__(self, ctx, copy_id):
+            if copy_id == 1:
+                raise KeyError("no such queue")
+
+    net = nn.Sequential(nn.ReLU(), Failing(2, 2))
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    with pytest.raises(KeyError, match="no such queue") as info:
+        torchdp.replicate(net, cpu_devices(2))
+    if hasattr(info.value, "__notes__"):  # Python >= 3.11
+        assert info.value.__notes__ == [
+            "torchdp.replicate: raised by the __data_parallel_replicate__ callback of module '1' "
+            "(type test_a_failing_replication_callback_keeps_its_type_and_says_where.<locals>."
+            "Failing) for copy_id 1"
+        ]
+    for k, v in net.state_dict().items():
+        assert torch.equal(v, before[k])
+
+
 def test_replicate_rejects_non_devices():
     with pytest.raises(TypeError, match="torchdp.replicate: expected a device"):
         torchdp.replicate(nn.Linear(2, 2), [1.5])

@@ -208,6 +208,41 @@ def test_gather_rejects_bad_target(bad):
         torchdp.gather([torch.ones(1)], bad)
 
 
+@pytest.mark.parametrize("bad", ["a", 1.0, None, True])
+def test_dim_must_be_an_int(bad):
+    x = torch.ones(4, 2)
+    with pytest.raises(TypeError, match="torchdp.scatter: dim must be an int"):
+        torchdp.scatter(x, [CPU] * 2, dim=bad)
+    with pytest.raises(TypeError, match="torchdp.scatter: dim must be an int"):
+        torchdp.scatter_kwargs((x,), {}, [CPU] * 2, dim=bad)
+    with pytest.raises(TypeError, match="torchdp.gather: dim must be an int"):
+        torchdp.gather([x, x], CPU, dim=bad)
+
+
+def test_gather_integer_like_dims():
+    class Index:  # any type with __index__, like numpy's integers
+        def __index__(self) -> int:
+            return 1
+
+    out = torchdp.gather([torch.ones(2, 1), torch.ones(2, 2)], CPU, dim=Index())
+    assert out.shape == (2, 3)
+
+
+def test_gather_of_outputs_that_are_not_tensors_is_an_error():
+    t = torch.ones(2)
+    with pytest.raises(TypeError, match="output 0 holds a tensor where output 1 holds NoneType"):
+        torchdp.gather([t, None], CPU)
+    with pytest.raises(TypeError, match="output 0 holds a tensor where output 2 holds int"):
+        torchdp.gather([(t, t), (t, t), (t, 1)], CPU)
+    for bad in ([1.0, 2.0], ["a", "b"], [(t, 1), (t, 2)], [b"x", b"y"]):
+        kind = type(bad[0][1] if isinstance(bad[0], tuple) else bad[0]).__qualname__
+        with pytest.raises(TypeError, match=f"cannot gather replica outputs of type {kind}"):
+            torchdp.gather(bad, CPU)
+    # None, containers and named tuples are still fine.
+    assert torchdp.gather([None, None], CPU) is None
+    assert torchdp.gather([[t], [t]], CPU)[0].shape == (4,)
+
+
 def test_scatter_rejects_bad_targets():
     with pytest.raises(
         TypeError, match="torchdp.scatter: expected a list of devices, got a single device"
@@ -215,7 +250,7 @@ def test_scatter_rejects_bad_targets():
         torchdp.scatter(torch.ones(2), CPU)
     with pytest.raises(ValueError, match="torchdp.scatter: device index -2 is negative"):
         torchdp.scatter(torch.ones(2), [-2])
-    with pytest.raises(ValueError, match="torchdp.scatter: 'nonsense' is not a device"):
+    with pytest.raises(RuntimeError, match="torchdp.scatter: 'nonsense' is not a device"):
         torchdp.scatter(torch.ones(2), ["nonsense"])
 
 
