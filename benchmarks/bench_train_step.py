@@ -3,7 +3,9 @@
 Modes: ``single``, ``torch_dp``, ``torchdp``, ``torchdp_serial`` (``torchdp.DataParallel`` with
 ``serial_forward=True``), ``torchdp_bucket_grads`` (``torchdp.DataParallel`` with the experimental
 ``TORCHDP_GRAD_DELIVERY=bucket``: each gradient bucket's sums reach the parameters during the
-backward pass) and ``ddp``.
+backward pass), ``torchdp_graphs`` (``torchdp.DataParallel(cuda_graphs=True)``: persistent replicas
+replayed as CUDA graphs) with its one-GPU baseline ``single_graphs`` (the same on the first GPU
+alone; both for the transformer and the MLP only, and not in smoke runs) and ``ddp``.
 
 One step is ``optimizer.zero_grad(set_to_none=True)``, forward, loss, backward, SGD step, for
 
@@ -70,7 +72,21 @@ LR = 1e-3
 
 MODELS = ("resnet50", "transformer", "mlp200")
 DTYPES = ("fp32", "bf16")
-MODES = ("single", "torch_dp", "torchdp", "torchdp_serial", "torchdp_bucket_grads", "ddp")
+MODES = (
+    "single",
+    "single_graphs",
+    "torch_dp",
+    "torchdp",
+    "torchdp_serial",
+    "torchdp_bucket_grads",
+    "torchdp_graphs",
+    "ddp",
+)
+# torchdp.DataParallel(cuda_graphs=True): over the GPUs, and over the first GPU alone (the one-GPU
+# baseline with the same CUDA graphs). CUDA only, so not in smoke runs; for the models bound by
+# the CPU (ResNet-50 keeps the GPU busy, and its graphs would hold another copy of its activations).
+GRAPH_MODES = ("single_graphs", "torchdp_graphs")
+GRAPH_MODELS = ("mlp200", "transformer")
 # Environment of the in-process modes that differ from torchdp's defaults only there.
 MODE_ENVIRONMENT = {"torchdp_bucket_grads": {"TORCHDP_GRAD_DELIVERY": "bucket"}}
 
@@ -154,6 +170,11 @@ def wrap_data_parallel(
                 return _Passthrough(module), note
             return TorchDataParallel(module), note
         return TorchDataParallel(module, device_ids=list(range(gpus))), None
+    if impl == "torchdp_graphs":
+        return (
+            torchdp.DataParallel(module, device_ids=list(range(gpus)), cuda_graphs=True),
+            "cuda_graphs=True: persistent replicas, forward and backward replayed as CUDA graphs",
+        )
     if impl in ("torchdp", "torchdp_serial", "torchdp_bucket_grads"):
         serial = impl == "torchdp_serial"
         note = (
@@ -750,6 +771,10 @@ def run_local_mode(
     if mode == "single":
         wrapped: nn.Module = model
         devices = [dev0]
+    elif mode == "single_graphs":
+        wrapped = torchdp.DataParallel(model, devices=[dev0], cuda_graphs=True)
+        devices = [dev0]
+        note = "torchdp.DataParallel(cuda_graphs=True) on the first GPU alone"
     else:
         wrapped, note = wrap_data_parallel(mode, model, smoke, gpus)
         devices = mode_devices(smoke, gpus)
@@ -794,6 +819,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     modes = parse_list(args.modes, MODES, "modes")
     run = common.start_run(args, warmup=(3, 1), steps=(10, 2), budget=(200.0, 55.0))
     smoke, warmup, steps, budget = run.smoke, run.warmup, run.steps, run.budget
+    if smoke and args.modes is None:
+        modes = [m for m in modes if m not in GRAPH_MODES]
     deadline, multi, dev0 = run.deadline, run.multi, run.dev0
     if smoke:
         torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
@@ -876,12 +903,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         except Exception as exc:  # noqa: BLE001
             for dtype in dtypes:
                 for mode in local_modes:
-                    for g in [1] if mode == "single" else multi:
+                    for g in [1] if mode in ("single", "single_graphs") else multi:
                         failed(base(name, dtype, mode, g, desc), f"setup: {error_text(exc)}")
             continue
         for dtype in dtypes:
             for mode in local_modes:
-                for g in [1] if mode == "single" else multi:
+                if mode in GRAPH_MODES and name not in GRAPH_MODELS and args.modes is None:
+                    continue
+                for g in [1] if mode in ("single", "single_graphs") else multi:
                     rec = base(name, dtype, mode, g, desc)
                     if time_left(deadline) <= 0:
                         failed(rec, "skipped: time budget exhausted")

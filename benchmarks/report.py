@@ -38,12 +38,14 @@ Record = dict[str, Any]
 # Display order of modes; unknown modes come after, in order of appearance.
 MODE_ORDER = [
     "single",
+    "single_graphs",
     "torch_dp",
     "torch_dp_balanced",
     "libtorch_dp",
     "torchdp",
     "torchdp_serial",
     "torchdp_bucket_grads",
+    "torchdp_graphs",
     "torchdp_balanced",
     "torchdp_functional",
     "ddp",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import operator
 import warnings
+import weakref
 from collections.abc import Sequence
 from itertools import chain
 from typing import Any, TypeVar
@@ -21,6 +22,7 @@ from torch._utils import (
 
 from torchdp import _C
 from torchdp._attributes import check_stale_attribute_policy
+from torchdp._graphs import MAX_SIGNATURES, GraphedReplicas
 from torchdp.parallel_apply import parallel_apply
 from torchdp.replicate import _bucket_bytes, _check_module, replicate
 from torchdp.scatter_gather import (
@@ -97,6 +99,29 @@ def _resolve_explicit(
     _C.normalize_devices(device_list, api)
     _C.normalize_devices([output], f"{api} (output_device)")
     return device_list, output
+
+
+def _check_cuda_graphs(cuda_graphs: Any) -> int:
+    """0 (off) or the number of input signatures to capture (True: MAX_SIGNATURES)."""
+    if cuda_graphs is True:
+        return MAX_SIGNATURES
+    if (
+        cuda_graphs is False
+        or cuda_graphs is None
+        or (type(cuda_graphs) is int and cuda_graphs == 0)
+    ):
+        return 0
+    if isinstance(cuda_graphs, int) and cuda_graphs > 0:
+        return cuda_graphs
+    raise ValueError(
+        "torchdp.DataParallel: cuda_graphs must be True, False or a positive number of input "
+        f"signatures to capture, got {cuda_graphs!r}"
+    )
+
+
+# The graphed replicas of each DataParallel with cuda_graphs (outside the module, so that copying
+# or pickling the wrapper never meets CUDA graphs; they are rebuilt at the next forward).
+_GRAPHED: weakref.WeakKeyDictionary[nn.Module, GraphedReplicas] = weakref.WeakKeyDictionary()
 
 
 def _check_module_device(
@@ -194,6 +219,15 @@ class DataParallel(_TorchDataParallel[T]):
             copies on its device, ``'warn'`` warns once per class and attribute, ``'error'``
             raises before the replicas run. Checked after the post-replicate hooks, so it
             catches what they miss. Default: ``None`` (as PyTorch: shared, unchecked).
+        cuda_graphs (bool or int, keyword-only): keep the replicas between steps and replay each
+            replica's forward and backward as CUDA graphs, captured once per input signature
+            (shapes, dtypes, training flags, grad mode, autocast state; ``True`` captures up to
+            8 signatures, an int sets the limit, further ones run eagerly). For models bound by
+            the CPU (many small layers); the forward must be capturable (no synchronisation with
+            the CPU, no data-dependent shapes). Post-replicate hooks run when the replicas are
+            built, not per forward; :meth:`replicate` and :meth:`parallel_apply` are not called.
+            A second forward before the first one's backward runs eagerly. See Note [Graphed
+            replicas] in ``torchdp/_graphs.py``. CUDA devices only. Default: ``False``.
 
     Attributes:
         module (Module): the module to be parallelized.
@@ -210,6 +244,7 @@ class DataParallel(_TorchDataParallel[T]):
     serial_forward: bool = False
     bucket_cap_mb: float | None = None
     stale_attributes: str | None = None
+    cuda_graphs: int = 0
 
     def __init__(
         self,
@@ -224,6 +259,7 @@ class DataParallel(_TorchDataParallel[T]):
         serial_forward: bool = False,
         bucket_cap_mb: float | None = None,
         stale_attributes: str | None = None,
+        cuda_graphs: bool | int = False,
     ) -> None:
         # Deliberately not torch.nn.DataParallel.__init__: the base class is only there for
         # isinstance checks.
@@ -239,6 +275,7 @@ class DataParallel(_TorchDataParallel[T]):
         self.stale_attributes = check_stale_attribute_policy(
             stale_attributes, "torchdp.DataParallel"
         )
+        self.cuda_graphs = _check_cuda_graphs(cuda_graphs)
 
         if devices is not None:
             device_list, self.output_device = _resolve_explicit(
@@ -251,6 +288,11 @@ class DataParallel(_TorchDataParallel[T]):
             self.src_device_obj = device_list[0]
             if all(d.type == "cuda" for d in device_list) and torch.cuda.is_available():
                 _check_balance([operator.index(d.index) for d in device_list])
+            if self.cuda_graphs and any(d.type != "cuda" for d in device_list):
+                raise ValueError(
+                    "torchdp.DataParallel: cuda_graphs=True needs CUDA devices, got devices="
+                    f"{[str(d) for d in device_list]}; drop cuda_graphs or use CUDA devices"
+                )
             if len(device_list) == 1:
                 self.module.to(self.src_device_obj)
             return
@@ -306,14 +348,30 @@ class DataParallel(_TorchDataParallel[T]):
                 inputs = ((),)
                 module_kwargs = ({},)
 
-            if len(self.device_ids) == 1:
-                output = self.module(*inputs[0], **module_kwargs[0])
-                return output if self.gather_output else [output]
-            replicas = self.replicate(self.module, self.device_ids[: len(inputs)])
-            outputs = self.parallel_apply(replicas, inputs, module_kwargs)
+            outputs = None
+            if self.cuda_graphs:
+                outputs = self._graphed_outputs(inputs, module_kwargs)
+                if outputs is not None and len(self.device_ids) == 1:
+                    return outputs[0] if self.gather_output else outputs
+            if outputs is None:
+                if len(self.device_ids) == 1:
+                    output = self.module(*inputs[0], **module_kwargs[0])
+                    return output if self.gather_output else [output]
+                replicas = self.replicate(self.module, self.device_ids[: len(inputs)])
+                outputs = self.parallel_apply(replicas, inputs, module_kwargs)
             if not self.gather_output:
                 return list(outputs)
             return self.gather(outputs, self.output_device)
+
+    def _graphed_outputs(self, inputs: Any, kwargs: Any) -> list[Any] | None:
+        graphed = _GRAPHED.get(self)
+        devices = [
+            d if isinstance(d, torch.device) else torch.device("cuda", d) for d in self.device_ids
+        ]
+        if graphed is None or graphed.module is not self.module or graphed.devices != devices:
+            graphed = GraphedReplicas(self.module, devices, int(self.cuda_graphs))
+            _GRAPHED[self] = graphed
+        return graphed.run(inputs, kwargs)
 
     def replicate(self, module: T, device_ids: Sequence[int | torch.device]) -> list[T]:
         """Replicates :attr:`module` on :attr:`device_ids` (detached under ``torch.no_grad()``)."""

@@ -254,13 +254,16 @@ def _gather_map(outputs: Sequence[Any], target: _GatherTarget, dim: int) -> Any:
     if out is None:
         return None
     if isinstance(out, (str, bytes)) or not hasattr(out, "__iter__"):
-        # PyTorch fails here with "'float' object is not iterable", or turns strings into the
-        # text of a map object.
+        # A constant (a tag, a flag, a number): the value itself when every replica returned an
+        # equal one. PyTorch fails here with "'float' object is not iterable", or turns strings
+        # into the text of a map object.
+        if all(type(o) is type(out) and o == out for o in outputs):
+            return out
         raise TypeError(
-            f"torchdp.gather: cannot gather replica outputs of type {type(out).__qualname__} "
-            f"({out!r:.60}); outputs must be tensors, None, or lists, tuples, dicts or named "
-            "tuples of them: return e.g. torch.tensor(value) instead (torchdp.DataParallel with "
-            "gather_output=False returns the per-replica outputs as they are)"
+            f"torchdp.gather: replica outputs of type {type(out).__qualname__} differ between "
+            f"replicas ({', '.join(f'{o!r:.30}' for o in outputs)}) and cannot be concatenated; "
+            "return tensors instead (e.g. torch.tensor(value)), or use torchdp.DataParallel "
+            "with gather_output=False to get the per-replica outputs as they are"
         )
     if isinstance(out, dict):
         if not all(len(out) == len(d) for d in outputs):

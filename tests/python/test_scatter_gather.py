@@ -234,10 +234,13 @@ def test_gather_of_outputs_that_are_not_tensors_is_an_error():
         torchdp.gather([t, None], CPU)
     with pytest.raises(TypeError, match="output 0 holds a tensor where output 2 holds int"):
         torchdp.gather([(t, t), (t, t), (t, 1)], CPU)
-    for bad in ([1.0, 2.0], ["a", "b"], [(t, 1), (t, 2)], [b"x", b"y"]):
+    for bad in ([1.0, 2.0], ["a", "b"], [(t, 1), (t, 2)], [b"x", b"y"], [1, 1.0]):
         kind = type(bad[0][1] if isinstance(bad[0], tuple) else bad[0]).__qualname__
-        with pytest.raises(TypeError, match=f"cannot gather replica outputs of type {kind}"):
+        with pytest.raises(TypeError, match=f"outputs of type {kind} differ between replicas"):
             torchdp.gather(bad, CPU)
+    # Equal constants are kept (PyTorch fails on numbers and garbles strings).
+    assert torchdp.gather([(t, "tag", 3), (t, "tag", 3)], CPU)[1:] == ("tag", 3)
+    assert torchdp.gather([{"n": 2.5}, {"n": 2.5}], CPU) == {"n": 2.5}
     # None, containers and named tuples are still fine.
     assert torchdp.gather([None, None], CPU) is None
     assert torchdp.gather([[t], [t]], CPU)[0].shape == (4,)

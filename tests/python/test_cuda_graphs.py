@@ -1,0 +1,203 @@
+"""torchdp.DataParallel(cuda_graphs=True): graphed replicas (Note [Graphed replicas]).
+
+Every step is compared with the eager torchdp.DataParallel on a copy of the model: outputs,
+gradients, buffers and, over several SGD steps, the weights. The device lists are two replicas on
+one GPU (``cuda:0`` twice, which exercises the persistent replica, its refresh and the gradient sum)
+and, on machines with two GPUs, ``cuda:0, cuda:1``. The argument checks run on CPU-only machines.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+
+import pytest
+import torch
+from dp_testing import clone_module, cpu_devices
+from torch import nn
+
+import torchdp
+
+CUDA = torch.cuda.is_available()
+
+
+def device_lists():
+    return [
+        pytest.param([0, 0], id="cuda0x2", marks=pytest.mark.needs_cuda),
+        pytest.param([0, 1], id="cuda0-cuda1", marks=pytest.mark.needs_multi_gpu),
+    ]
+
+
+def _graphed(dp):
+    """The graphed replicas behind a DataParallel (they count their captures)."""
+    return sys.modules["torchdp.data_parallel"]._GRAPHED[dp]
+
+
+def _devices(ids):
+    return [torch.device("cuda", i) for i in ids]
+
+
+class ConvBN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 4, 1)
+        )
+        self.head = nn.Linear(4 * 6 * 6, 5)
+        self.unused = nn.Linear(3, 3)  # zero gradients, as in the eager mode
+
+    def forward(self, x):
+        return self.head(self.body(x).flatten(1))
+
+
+class TwoOutputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 4)
+        self.b = nn.Linear(6, 2)
+
+    def forward(self, x, *, scale=1.0):
+        h = self.a(x)
+        return {"h": h * scale, "cls": self.b(x).argmax(dim=1), "tag": "kept"}
+
+
+def mlp(layers=6, width=32):
+    return nn.Sequential(*[m for _ in range(layers) for m in (nn.Linear(width, width), nn.ReLU())])
+
+
+def _pair(model, ids, **kw):
+    torch.manual_seed(0)
+    net = model().cuda(ids[0])
+    ref = clone_module(net)
+    graphed = torchdp.DataParallel(net, devices=_devices(ids), cuda_graphs=True, **kw)
+    eager = torchdp.DataParallel(ref, devices=_devices(ids), **kw)
+    return net, ref, graphed, eager
+
+
+def _assert_same_module_state(a: nn.Module, b: nn.Module, **tol) -> None:
+    for (name, p), q in zip(a.named_parameters(), b.parameters(), strict=True):
+        torch.testing.assert_close(p, q, msg=f"parameter {name}", **tol)
+        torch.testing.assert_close(p.grad, q.grad, msg=f"gradient of {name}", **tol)
+    for (name, x), y in zip(a.named_buffers(), b.buffers(), strict=True):
+        torch.testing.assert_close(x, y, msg=f"buffer {name}", **tol)
+
+
+@pytest.mark.parametrize("ids", device_lists())
+@pytest.mark.parametrize("model,shape", [(mlp, (8, 32)), (ConvBN, (6, 3, 6, 6))])
+def test_training_steps_match_the_eager_mode(ids, model, shape):
+    net, ref, graphed, eager = _pair(model, ids)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(4):
+        x = torch.randn(*shape, device=f"cuda:{ids[0]}")
+        out, out_ref = graphed(x), eager(x)
+        torch.testing.assert_close(out, out_ref, msg=f"output of step {step}")
+        out.square().mean().backward()
+        out_ref.square().mean().backward()
+        _assert_same_module_state(net, ref, rtol=1e-4, atol=1e-5)
+        opt.step()
+        opt_ref.step()
+        opt.zero_grad(set_to_none=step % 2 == 0)
+        opt_ref.zero_grad(set_to_none=step % 2 == 0)
+    _assert_same_module_state(net, ref, rtol=1e-4, atol=1e-5)
+    assert _graphed(graphed).captures_made == 1  # one signature, captured once
+    if model is ConvBN:
+        assert torch.equal(net.unused.weight.grad, torch.zeros(3, 3, device=f"cuda:{ids[0]}"))
+
+
+@pytest.mark.parametrize("ids", device_lists())
+def test_structured_outputs_kwargs_and_eval(ids):
+    net, ref, graphed, eager = _pair(TwoOutputs, ids)
+    x = torch.randn(8, 6, device=f"cuda:{ids[0]}")
+    out, out_ref = graphed(x, scale=2.0), eager(x, scale=2.0)
+    assert out["tag"] == "kept" and out["cls"].dtype == torch.int64
+    torch.testing.assert_close(out["h"], out_ref["h"])
+    torch.testing.assert_close(out["cls"], out_ref["cls"])
+    out["h"].sum().backward()
+    out_ref["h"].sum().backward()
+    _assert_same_module_state(net, ref)
+    # Another constant is another signature; eval under no_grad is one more.
+    graphed(x, scale=3.0)
+    net.eval()
+    ref.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(graphed(x, scale=1.0)["h"], eager(x, scale=1.0)["h"])
+    assert _graphed(graphed).captures_made == 3
+
+
+@pytest.mark.parametrize("ids", device_lists())
+def test_input_gradients_and_gather_output_false(ids):
+    net, ref, graphed, eager = _pair(mlp, ids, gather_output=False)
+    x = torch.randn(8, 32, device=f"cuda:{ids[0]}", requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_(True)
+    outs, outs_ref = graphed(x), eager(x_ref)
+    assert [o.device for o in outs] == [o.device for o in outs_ref]
+    sum(o.sum() * (i + 1) for i, o in enumerate(outs)).backward()
+    sum(o.sum() * (i + 1) for i, o in enumerate(outs_ref)).backward()
+    torch.testing.assert_close(x.grad, x_ref.grad)
+    _assert_same_module_state(net, ref)
+
+
+@pytest.mark.parametrize("ids", device_lists())
+def test_second_forward_before_backward_runs_eagerly(ids):
+    net, ref, graphed, eager = _pair(mlp, ids)
+    x1 = torch.randn(8, 32, device=f"cuda:{ids[0]}")
+    x2 = torch.randn(8, 32, device=f"cuda:{ids[0]}")
+    (graphed(x1).sum() + graphed(x2).square().sum()).backward()
+    (eager(x1).sum() + eager(x2).square().sum()).backward()
+    _assert_same_module_state(net, ref)
+
+
+@pytest.mark.parametrize("ids", device_lists())
+def test_backward_through_a_replayed_forward_raises(ids):
+    _, _, graphed, _ = _pair(mlp, ids)
+    x = torch.randn(8, 32, device=f"cuda:{ids[0]}")
+    first = graphed(x).sum()
+    first.backward(retain_graph=True)
+    graphed(x).sum().backward()  # replays the same graphs
+    with pytest.raises(RuntimeError, match="replayed by a later forward"):
+        first.backward()
+
+
+@pytest.mark.parametrize("ids", device_lists())
+def test_replaced_parameters_are_picked_up(ids):
+    net, ref, graphed, eager = _pair(mlp, ids)
+    dev = f"cuda:{ids[0]}"
+    graphed(torch.randn(8, 32, device=dev)).sum().backward()
+    # A parameter with new storage: everything is rebuilt at the next forward.
+    with torch.no_grad():
+        net[0].weight.data = net[0].weight.data * 2
+        ref[0].weight.data = ref[0].weight.data * 2
+    net.zero_grad()
+    x = torch.randn(8, 32, device=dev)
+    graphed(x).sum().backward()
+    eager(x).sum().backward()
+    _assert_same_module_state(net, ref)
+
+
+@pytest.mark.needs_cuda
+def test_signatures_beyond_the_limit_run_eagerly():
+    torch.manual_seed(0)
+    net = mlp().cuda()
+    ref = clone_module(net)
+    graphed = torchdp.DataParallel(net, devices=_devices([0, 0]), cuda_graphs=2)
+    eager = torchdp.DataParallel(ref, devices=_devices([0, 0]))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for batch in (4, 6, 8, 10):
+            x = torch.randn(batch, 32, device="cuda")
+            torch.testing.assert_close(graphed(x), eager(x))
+    assert _graphed(graphed).captures_made == 2
+    assert sum("input signatures are captured already" in str(w.message) for w in caught) == 1
+
+
+def test_cuda_graphs_argument_checks():
+    with pytest.raises(ValueError, match="cuda_graphs=True needs CUDA devices"):
+        torchdp.DataParallel(nn.Linear(2, 2), devices=cpu_devices(2), cuda_graphs=True)
+    for bad in ("yes", 0.5, -1):
+        with pytest.raises(ValueError, match="cuda_graphs must be True, False or a positive"):
+            torchdp.DataParallel(nn.Linear(2, 2), devices=cpu_devices(2), cuda_graphs=bad)
+    # Without an accelerator and without devices=, DataParallel passes through, graphs or not.
+    if not CUDA:
+        dp = torchdp.DataParallel(nn.Linear(2, 2), cuda_graphs=True)
+        assert dp(torch.ones(3, 2)).shape == (3, 2)
