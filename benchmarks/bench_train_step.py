@@ -5,7 +5,7 @@ Modes: ``single``, ``torch_dp``, ``torchdp``, ``torchdp_serial`` (``torchdp.Data
 ``TORCHDP_GRAD_DELIVERY=bucket``: each gradient bucket's sums reach the parameters during the
 backward pass), ``torchdp_graphs`` (``torchdp.DataParallel(cuda_graphs=True)``: persistent replicas
 replayed as CUDA graphs) with its one-GPU baseline ``single_graphs`` (the same on the first GPU
-alone; both for the transformer and the MLP only, and not in smoke runs) and ``ddp``.
+alone; not in smoke runs) and ``ddp``.
 
 One step is ``optimizer.zero_grad(set_to_none=True)``, forward, loss, backward, SGD step, for
 
@@ -83,10 +83,8 @@ MODES = (
     "ddp",
 )
 # torchdp.DataParallel(cuda_graphs=True): over the GPUs, and over the first GPU alone (the one-GPU
-# baseline with the same CUDA graphs). CUDA only, so not in smoke runs; for the models bound by
-# the CPU (ResNet-50 keeps the GPU busy, and its graphs would hold another copy of its activations).
+# baseline with the same CUDA graphs). CUDA only, so not in smoke runs.
 GRAPH_MODES = ("single_graphs", "torchdp_graphs")
-GRAPH_MODELS = ("mlp200", "transformer")
 # Environment of the in-process modes that differ from torchdp's defaults only there.
 MODE_ENVIRONMENT = {"torchdp_bucket_grads": {"TORCHDP_GRAD_DELIVERY": "bucket"}}
 
@@ -908,8 +906,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             continue
         for dtype in dtypes:
             for mode in local_modes:
-                if mode in GRAPH_MODES and name not in GRAPH_MODELS and args.modes is None:
-                    continue
                 for g in [1] if mode in ("single", "single_graphs") else multi:
                     rec = base(name, dtype, mode, g, desc)
                     if time_left(deadline) <= 0:

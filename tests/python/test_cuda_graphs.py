@@ -105,6 +105,42 @@ def test_training_steps_match_the_eager_mode(ids, model, shape):
         assert torch.equal(net.unused.weight.grad, torch.zeros(3, 3, device=f"cuda:{ids[0]}"))
 
 
+def small_transformer():
+    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+    return nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+
+
+@pytest.mark.parametrize("ids", device_lists())
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["fp32", "bf16-autocast"])
+def test_transformer_and_autocast_match_the_eager_mode(ids, dtype):
+    net, ref, graphed, eager = _pair(small_transformer, ids)
+    for step in range(2):
+        x = torch.randn(6, 5, 16, device=f"cuda:{ids[0]}")
+        net.zero_grad()
+        ref.zero_grad()
+        with torch.autocast("cuda", dtype=dtype or torch.float32, enabled=dtype is not None):
+            out, out_ref = graphed(x), eager(x)
+            assert out.dtype == out_ref.dtype
+            torch.testing.assert_close(out, out_ref, msg=f"step {step}")
+            out.float().square().mean().backward()
+            out_ref.float().square().mean().backward()
+        _assert_same_module_state(net, ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("ids", device_lists())
+def test_dropout_runs_with_fresh_masks(ids):
+    # Graph-safe random numbers: every replay draws new dropout masks (not the same as the eager
+    # mode's, which consumes the generator differently), and training still works.
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(32, 32), nn.Dropout(0.5), nn.Linear(32, 1)).cuda(ids[0])
+    graphed = torchdp.DataParallel(net, devices=_devices(ids), cuda_graphs=True)
+    x = torch.randn(8, 32, device=f"cuda:{ids[0]}")
+    outs = [graphed(x).detach() for _ in range(3)]
+    assert not torch.equal(outs[0], outs[1]) and not torch.equal(outs[1], outs[2])
+    graphed(x).sum().backward()
+    assert all(torch.isfinite(p.grad).all() for p in net.parameters())
+
+
 @pytest.mark.parametrize("ids", device_lists())
 def test_structured_outputs_kwargs_and_eval(ids):
     net, ref, graphed, eager = _pair(TwoOutputs, ids)
