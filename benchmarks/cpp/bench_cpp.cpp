@@ -3,11 +3,13 @@
 // For two Cloneable models (cpp_mlp200: 200 x Linear(256,256)+ReLU, batch 512; cpp_convnet: 8 x
 // Conv2d(3x3)+BatchNorm2d+ReLU blocks, global average pool, Linear(64,10), batch 256 of 64x64
 // images) it times full training steps (zero_grad, forward, loss = out.pow(2).mean(), backward,
-// SGD step) in four modes:
+// SGD step) in these modes:
 //   single              the model on one device
 //   libtorch_dp         torch::nn::parallel::data_parallel over all devices (LibTorch)
 //   torchdp             torchdp::DataParallel (module holder) over all devices
 //   torchdp_functional  torchdp::data_parallel over all devices
+//   torchdp_graphs      torchdp::DataParallel with cuda_graphs over all devices (GPUs only)
+//   single_graphs       the same on the first device alone (GPUs only)
 // and the time of one differentiable replicate() call (torch::nn::parallel::replicate vs
 // torchdp::replicate). Results go to a JSON file in the format of benchmarks/common.py.
 //
@@ -508,6 +510,32 @@ struct Bench {
                           },
                           steps);
                     });
+      speedup(r, "step_ms_median", "speedup_vs_libtorch", libtorch_ms);
+      report(r, "step_ms_median", single_ms);
+    }
+
+    // CUDA graphs (DataParallelOptions::cuda_graphs): over all devices, and on the first device
+    // alone (the one-GPU baseline with the same graphs). GPUs only.
+    if (!settings.smoke && torchdp::detail::cuda_graphs_available()) {
+      auto graphed = [&](const std::vector<torch::Device>& on) {
+        return [&, on](Record& r) {
+          auto model = make();
+          model->to(on.front());
+          torchdp::DataParallel dp(model,
+                                   torchdp::DataParallelOptions().device_ids(on).cuda_graphs(true));
+          train_step(
+              r, model, input,
+              [&](const torch::Tensor& x) {
+                return dp->forward(x);
+              },
+              steps);
+        };
+      };
+      auto& one = run(base("cpp_train_step", name, "single_graphs", 1), "step_ms_median",
+                      graphed({devs.front()}));
+      report(one, "step_ms_median", single_ms);
+      auto& r =
+          run(base("cpp_train_step", name, "torchdp_graphs", n), "step_ms_median", graphed(devs));
       speedup(r, "step_ms_median", "speedup_vs_libtorch", libtorch_ms);
       report(r, "step_ms_median", single_ms);
     }

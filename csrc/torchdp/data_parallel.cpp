@@ -31,6 +31,15 @@ void DataParallelImpl::init(std::shared_ptr<torch::nn::Module> module, Wrap wrap
   if (options.bucket_cap_mb()) {
     autograd::bucket_bytes_from_mib(*options.bucket_cap_mb(), kApi); // checked at construction
   }
+  if (options.cuda_graphs()) {
+    TORCH_CHECK(detail::cuda_graphs_available(), kApi,
+                ": cuda_graphs needs torchdp built with its CUDA fast paths (TORCHDP_WITH_CUDA); "
+                "this build has none. Turn cuda_graphs off");
+    for (const auto& d : device_ids_) {
+      TORCH_CHECK(d.is_cuda(), kApi, ": cuda_graphs needs CUDA devices, got device_ids=",
+                  devices_to_string(device_ids_), "; turn cuda_graphs off or use CUDA devices");
+    }
+  }
   if (options.output_device()) {
     TORCH_CHECK(!device_ids_.empty(), kApi, ": output_device ", *options.output_device(),
                 " was given but no device is in use (no CUDA device is visible and device_ids is "
@@ -80,6 +89,12 @@ std::vector<at::Tensor> DataParallelImpl::run(std::vector<at::Tensor> inputs, co
     for (auto& x : inputs) {
       x = x.to(device_ids_.front());
     }
+    if (options.cuda_graphs()) {
+      auto outputs = run_graphed({inputs}, call);
+      if (!outputs.empty()) {
+        return outputs;
+      }
+    }
     return {call(any_, inputs)};
   }
   std::vector<std::vector<at::Tensor>> chunks(inputs.size());
@@ -92,6 +107,18 @@ std::vector<at::Tensor> DataParallelImpl::run(std::vector<at::Tensor> inputs, co
     n = std::min(n, chunks[k].size());
   }
   const std::vector<c10::Device> used(device_ids_.begin(), device_ids_.begin() + n);
+  if (options.cuda_graphs()) {
+    std::vector<std::vector<at::Tensor>> per_replica(n);
+    for (const auto i : c10::irange(n)) {
+      for (auto& c : chunks) {
+        per_replica[i].push_back(c[i]);
+      }
+    }
+    auto outputs = run_graphed(per_replica, call);
+    if (!outputs.empty()) {
+      return outputs;
+    }
+  }
   std::optional<autograd::GradBucketSizeGuard> bucket_size;
   if (options.bucket_cap_mb()) {
     bucket_size.emplace(autograd::bucket_bytes_from_mib(*options.bucket_cap_mb(), kApi));
@@ -108,6 +135,22 @@ std::vector<at::Tensor> DataParallelImpl::run(std::vector<at::Tensor> inputs, co
     outputs[i] = call(replica, args);
   });
   return outputs;
+}
+
+std::vector<at::Tensor> DataParallelImpl::run_graphed(
+    const std::vector<std::vector<at::Tensor>>& chunks, const Call& call) {
+  if (!graphed_ || graphed_->module() != module_) {
+    graphed_ = std::make_shared<detail::GraphedReplicas>(module_, device_ids_, 8);
+  }
+  return graphed_->run(chunks, [this, &call](const std::shared_ptr<torch::nn::Module>& replica,
+                                             std::vector<at::Tensor>& args) {
+    auto any = wrap_(replica);
+    return call(any, args);
+  });
+}
+
+int64_t DataParallelImpl::graph_captures() const {
+  return graphed_ ? graphed_->captures_made() : 0;
 }
 
 at::Tensor DataParallelImpl::join(std::vector<at::Tensor> outputs) const {
@@ -165,7 +208,11 @@ void DataParallelImpl::pretty_print(std::ostream& stream) const {
   if (output_device_) {
     stream << ", output_device=" << *output_device_;
   }
-  stream << ", dim=" << options.dim() << ")";
+  stream << ", dim=" << options.dim();
+  if (options.cuda_graphs()) {
+    stream << ", cuda_graphs=true";
+  }
+  stream << ")";
 }
 
 } // namespace torchdp

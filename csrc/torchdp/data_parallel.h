@@ -1,6 +1,7 @@
 #pragma once
 
 #include <torchdp/autograd.h>
+#include <torchdp/cuda/graphed_replicas.h>
 #include <torchdp/devices.h>
 #include <torchdp/parallel_apply.h>
 #include <torchdp/replicate.h>
@@ -37,6 +38,12 @@ struct DataParallelOptions {
   /// bucket_cap_mb; 0: one bucket, reduced at the end; the first bucket, holding the last
   /// parameters, is at most 1 MiB, as DDP's). Default: TORCHDP_GRAD_BUCKET_MB, else 25.
   TORCH_ARG(std::optional<double>, bucket_cap_mb) = std::nullopt;
+  /// Keep the replicas between forwards and replay each replica's forward and backward as CUDA
+  /// graphs, captured once per input signature (up to 8; others run eagerly). For modules bound
+  /// by the CPU (many small layers); the forward must be capturable (no synchronisation with the
+  /// CPU, no data-dependent shapes). CUDA devices only, in builds with TORCHDP_WITH_CUDA. See
+  /// Note [Graphed replicas in C++] in torchdp/cuda/graphed_replicas.h.
+  TORCH_ARG(bool, cuda_graphs) = false;
 };
 
 /// Data parallelism over the devices of one process, as a module: every forward splits its tensor
@@ -113,6 +120,8 @@ class DataParallelImpl : public torch::nn::Module {
   Replicator& replicator() {
     return *replicator_;
   }
+  /// With options.cuda_graphs: how many input signatures were captured as CUDA graphs so far.
+  int64_t graph_captures() const;
 
   void pretty_print(std::ostream& stream) const override;
 
@@ -147,6 +156,9 @@ class DataParallelImpl : public torch::nn::Module {
   // The per-replica outputs (one when passing through or on one device, already on
   // output_device then).
   std::vector<at::Tensor> run(std::vector<at::Tensor> inputs, const Call& call);
+  // run() through the graphed replicas (empty when this forward runs eagerly).
+  std::vector<at::Tensor> run_graphed(const std::vector<std::vector<at::Tensor>>& chunks,
+                                      const Call& call);
   // The gathered output of run()'s outputs.
   at::Tensor join(std::vector<at::Tensor> outputs) const;
 
@@ -154,6 +166,7 @@ class DataParallelImpl : public torch::nn::Module {
   torch::nn::AnyModule any_;
   Wrap wrap_;
   std::unique_ptr<Replicator> replicator_;
+  std::shared_ptr<detail::GraphedReplicas> graphed_;
   std::vector<c10::Device> device_ids_;
   std::optional<c10::Device> output_device_;
 };

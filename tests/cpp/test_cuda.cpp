@@ -246,3 +246,105 @@ TEST_CASE("NCCL: coalesced broadcast and reduce give exact results", "[nccl][mul
     CHECK(torch::equal(sums[1].cpu(), torch::full({3}, 7, torch::kLong)));
   }
 }
+
+namespace {
+
+// Copies of one module on devices[0], wrapped eagerly and with cuda_graphs.
+template <typename Holder>
+struct GraphedPair {
+  explicit GraphedPair(const std::vector<torch::Device>& devices) {
+    copy_state(*graphed_model, *eager_model);
+    eager_model->to(devices[0]);
+    graphed_model->to(devices[0]);
+    eager = torchdp::DataParallel(eager_model, torchdp::DataParallelOptions().device_ids(devices));
+    graphed = torchdp::DataParallel(
+        graphed_model, torchdp::DataParallelOptions().device_ids(devices).cuda_graphs(true));
+  }
+  Holder eager_model;
+  Holder graphed_model;
+  torchdp::DataParallel eager{nullptr};
+  torchdp::DataParallel graphed{nullptr};
+};
+
+// Steps of a graphed DataParallel and an eager one on copies of the same module: outputs,
+// gradients, parameters and buffers must agree after every SGD step.
+template <typename Holder>
+void check_graphed_steps(const std::vector<torch::Device>& devices, at::IntArrayRef shape) {
+  GraphedPair<Holder> pair(devices);
+  auto& [eager_model, graphed_model, eager, graphed] = pair;
+  torch::optim::SGD opt_eager(eager->parameters(), torch::optim::SGDOptions(0.1));
+  torch::optim::SGD opt_graphed(graphed->parameters(), torch::optim::SGDOptions(0.1));
+  for (int step = 0; step < 4; ++step) {
+    INFO("step " << step);
+    const auto x = torch::randn(shape).to(devices[0]);
+    opt_eager.zero_grad();
+    opt_graphed.zero_grad();
+    auto a = eager->forward(x);
+    auto b = graphed->forward(x);
+    CHECK(torch::allclose(a, b, 1e-4, 1e-5));
+    a.pow(2).mean().backward();
+    b.pow(2).mean().backward();
+    const auto pa = eager_model->named_parameters();
+    for (const auto& p : graphed_model->named_parameters()) {
+      INFO("gradient of " << p.key());
+      REQUIRE(p.value().grad().defined());
+      CHECK(torch::allclose(p.value().grad(), pa[p.key()].grad(), 1e-4, 1e-5));
+    }
+    opt_eager.step();
+    opt_graphed.step();
+    const auto ba = eager_model->named_buffers();
+    for (const auto& b : graphed_model->named_buffers()) {
+      INFO("buffer " << b.key());
+      CHECK(torch::allclose(b.value().to(torch::kDouble), ba[b.key()].to(torch::kDouble), 1e-4,
+                            1e-5));
+    }
+  }
+  CHECK(graphed->graph_captures() == 1);
+}
+
+} // namespace
+
+TEST_CASE("CUDA graphs: two replicas on one GPU train like the eager DataParallel", "[cuda]") {
+  TORCHDP_NEED_CUDA(gpus, 1);
+  const std::vector<torch::Device> devices{gpus[0], gpus[0]};
+  torch::manual_seed(30);
+  SECTION("MLP") {
+    check_graphed_steps<Mlp>(devices, {16, 10});
+  }
+  SECTION("conv net with BatchNorm") {
+    check_graphed_steps<ConvBnNet>(devices, {8, 3, 5, 5});
+  }
+  SECTION("one device") {
+    check_graphed_steps<Mlp>({gpus[0]}, {16, 10});
+  }
+}
+
+TEST_CASE("CUDA graphs: two GPUs train like the eager DataParallel", "[multi-cuda]") {
+  TORCHDP_NEED_CUDA(devices, 2);
+  torch::manual_seed(31);
+  check_graphed_steps<Mlp>(devices, {16, 10});
+  check_graphed_steps<ConvBnNet>(devices, {8, 3, 5, 5});
+}
+
+TEST_CASE("CUDA graphs: pending and replayed backward passes", "[cuda]") {
+  TORCHDP_NEED_CUDA(gpus, 1);
+  const std::vector<torch::Device> devices{gpus[0], gpus[0]};
+  torch::manual_seed(32);
+  GraphedPair<Mlp> pair(devices);
+  auto& [eager_model, graphed_model, eager, graphed] = pair;
+  const auto x1 = torch::randn({8, 10}).to(devices[0]);
+  const auto x2 = torch::randn({8, 10}).to(devices[0]);
+  // A second forward while the first one's backward is pending runs eagerly: same gradients.
+  (graphed->forward(x1).sum() + graphed->forward(x2).pow(2).sum()).backward();
+  (eager->forward(x1).sum() + eager->forward(x2).pow(2).sum()).backward();
+  const auto pa = eager_model->parameters();
+  const auto pb = graphed_model->parameters();
+  for (size_t i = 0; i < pa.size(); ++i) {
+    CHECK(torch::allclose(pb[i].grad(), pa[i].grad(), 1e-4, 1e-5));
+  }
+  // A backward through a forward whose graphs were replayed since raises.
+  auto first = graphed->forward(x1).sum();
+  first.backward({}, /*retain_graph=*/true);
+  graphed->forward(x1).sum().backward();
+  TORCHDP_CHECK_THROWS_WITH(first.backward(), "replayed by a later forward");
+}

@@ -321,6 +321,17 @@ TEST_CASE("forward_replicas and parallel_loss give the whole-batch loss and grad
   CHECK(torch::allclose(linear->bias.grad(), reference->bias.grad(), 1e-5, 1e-6));
 }
 
+TEST_CASE("cuda_graphs needs CUDA devices", "[cpu][data_parallel]") {
+  torch::nn::Linear linear(3, 2);
+  const auto message = error_message([&] {
+    torchdp::DataParallel(linear, on(cpu_devices(2)).cuda_graphs(true));
+  });
+  INFO("message: " << message);
+  CHECK(message.find("torchdp::DataParallel: cuda_graphs needs") != std::string::npos);
+  CHECK((message.find("CUDA fast paths") != std::string::npos ||
+         message.find("CUDA devices") != std::string::npos));
+}
+
 TEST_CASE("forward_replicas on one device and parallel_loss errors", "[cpu][data_parallel]") {
   torch::nn::Linear linear(3, 2);
   torchdp::DataParallel one(linear, on(cpu_devices(1)));
