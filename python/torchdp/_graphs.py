@@ -118,10 +118,11 @@ class _Replica:
         param_storage: list[torch.Tensor],
         buffer_storage: list[torch.Tensor],
         devices: list[torch.device],
+        stale_attributes: str | None,
     ) -> None:
         device = devices[-1]
         with torch.no_grad():
-            copy = replicate(module, devices, detach=True)[-1]
+            copy = replicate(module, devices, detach=True, stale_attributes=stale_attributes)[-1]
         originals, copies = list(module.modules()), list(copy.modules())
         if len(originals) != len(copies):
             raise RuntimeError(
@@ -191,10 +192,18 @@ class _Capture:
 class GraphedReplicas:
     """Persistent replicas of ``module`` on ``devices`` whose steps replay CUDA graphs."""
 
-    def __init__(self, module: nn.Module, devices: Sequence[torch.device], max_signatures: int):
+    def __init__(
+        self,
+        module: nn.Module,
+        devices: Sequence[torch.device],
+        max_signatures: int,
+        stale_attributes: str | None = None,
+    ):
         self.module = module
         self.devices = list(devices)
         self.max_signatures = max_signatures
+        # Applied when the replicas are built (torchdp.replicate's stale_attributes=).
+        self.stale_attributes = stale_attributes
         self._layout: tuple[Any, ...] | None = None
         self._captures: dict[Any, _Capture] = {}
         self._replicas: list[_Replica] = []
@@ -234,12 +243,19 @@ class GraphedReplicas:
             [p.detach() for p in self.params],
             list(self.buffers),
             [src],
+            self.stale_attributes,
         )
         self._replicas.append(first)
         for device in self.devices[1:n]:
             params, buffers = self.param_mirror.mirror(device), self.buffer_mirror.mirror(device)
             replica = _Replica(
-                self.module, self.params, self.buffers, params.views, buffers.views, [src, device]
+                self.module,
+                self.params,
+                self.buffers,
+                params.views,
+                buffers.views,
+                [src, device],
+                self.stale_attributes,
             )
             replica.params, replica.buffers = params, buffers
             self._replicas.append(replica)

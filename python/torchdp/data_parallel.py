@@ -369,7 +369,9 @@ class DataParallel(_TorchDataParallel[T]):
             d if isinstance(d, torch.device) else torch.device("cuda", d) for d in self.device_ids
         ]
         if graphed is None or graphed.module is not self.module or graphed.devices != devices:
-            graphed = GraphedReplicas(self.module, devices, int(self.cuda_graphs))
+            graphed = GraphedReplicas(
+                self.module, devices, int(self.cuda_graphs), self.stale_attributes
+            )
             _GRAPHED[self] = graphed
         return graphed.run(inputs, kwargs)
 

@@ -237,3 +237,35 @@ def test_cuda_graphs_argument_checks():
     if not CUDA:
         dp = torchdp.DataParallel(nn.Linear(2, 2), cuda_graphs=True)
         assert dp(torch.ones(3, 2)).shape == (3, 2)
+
+
+class WithPlainTensor(nn.Module):
+    """A non-buffer tensor attribute (detectron2's pixel_mean): replicate shares it by reference."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.offset = torch.arange(4.0)
+
+    def forward(self, x):
+        return self.fc(x - self.offset)
+
+
+@pytest.mark.needs_multi_gpu
+def test_stale_attributes_move_applies_to_the_graphed_replicas():
+    torch.manual_seed(0)
+    net = WithPlainTensor()
+    net.offset = net.offset.cuda(0)
+    net.cuda(0)
+    ref = clone_module(net)
+    ref.offset = net.offset.clone()
+    graphed = torchdp.DataParallel(
+        net, devices=_devices([0, 1]), cuda_graphs=True, stale_attributes="move"
+    )
+    eager = torchdp.DataParallel(ref, devices=_devices([0, 1]), stale_attributes="move")
+    x = torch.randn(8, 4, device="cuda:0")
+    out, out_ref = graphed(x), eager(x)
+    torch.testing.assert_close(out, out_ref)
+    out.sum().backward()
+    out_ref.sum().backward()
+    _assert_same_module_state(net, ref)
