@@ -212,14 +212,24 @@ class GraphedReplicas:
 
     # -- layout -------------------------------------------------------------------------------
 
-    def _current_layout(self, modules: list[nn.Module]) -> tuple[Any, ...]:
-        params = list(self.module.parameters())
-        buffers = list(self.module.buffers())
-        return (
-            tuple(map(id, modules)),
-            tuple((p.data_ptr(), p.requires_grad, p.dtype, p.shape) for p in params),
-            tuple((b.data_ptr(), b.dtype, b.shape) for b in buffers),
-        )
+    @staticmethod
+    def _current_layout(modules: list[nn.Module]) -> tuple[Any, ...]:
+        # Checked before every forward, so one direct pass over the modules' dictionaries
+        # (Module.parameters() and buffers() cost several times more): which modules, and where
+        # each parameter and buffer lives. New storage (p.data = ..., .to()) changes data_ptr.
+        seen: set[int] = set()
+        key: list[Any] = []
+        for m in modules:
+            key.append(id(m))
+            for p in m._parameters.values():
+                if p is not None and id(p) not in seen:
+                    seen.add(id(p))
+                    key.append((p.data_ptr(), p.requires_grad))
+            for b in m._buffers.values():
+                if b is not None and id(b) not in seen:
+                    seen.add(id(b))
+                    key.append(b.data_ptr())
+        return tuple(key)
 
     def _rebuild(self, n: int) -> None:
         self._captures.clear()
