@@ -621,4 +621,10 @@ class _GraphedStep(torch.autograd.Function):
                 input_grads.append(
                     None if slot is None else capture.static_grad_in[j][slot].clone()
                 )
+        # The engine orders the consumers of these gradients after this node's stream only: that
+        # stream waits for the work queued on the other devices' streams (replays, clones).
+        node_stream = torch.cuda.current_stream(first)
+        for device in set(devices):
+            if device != first:
+                node_stream.wait_stream(torch.cuda.current_stream(device))
         return (None, None, *input_grads, *param_grads)

@@ -244,6 +244,11 @@ struct GraphedBackward : Node {
       out.push_back(totals.at(p.scalar_type()).narrow(0, offset, p.numel()).view(p.sizes()));
       offset += p.numel();
     }
+    // The engine orders the consumers of these gradients after this node's stream only: that
+    // stream waits for the work queued on the other devices' streams (replays, clones).
+    for (const auto j : c10::irange(size_t{1}, n)) {
+      wait_for(node_stream, c10::cuda::getCurrentCUDAStream(devices[j].index()));
+    }
     return out;
   }
 };
