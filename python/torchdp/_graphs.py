@@ -113,16 +113,13 @@ class _Replica:
     def __init__(
         self,
         module: nn.Module,
+        copy: nn.Module,
         params: list[nn.Parameter],
         buffers: list[torch.Tensor],
         param_storage: list[torch.Tensor],
         buffer_storage: list[torch.Tensor],
-        devices: list[torch.device],
-        stale_attributes: str | None,
+        device: torch.device,
     ) -> None:
-        device = devices[-1]
-        with torch.no_grad():
-            copy = replicate(module, devices, detach=True, stale_attributes=stale_attributes)[-1]
         originals, copies = list(module.modules()), list(copy.modules())
         if len(originals) != len(copies):
             raise RuntimeError(
@@ -148,6 +145,9 @@ class _Replica:
                         f"parameter {key!r} of the replica on {device}; this module cannot run "
                         "with cuda_graphs=True"
                     )
+                former = replica.__dict__.get("_former_parameters")
+                if isinstance(former, dict) and key in former:
+                    former[key] = leaf  # not the broadcast copy, which would stay alive
             for key, b in original._buffers.items():
                 if b is not None:
                     # Directly: some classes' __setattr__ copies into the existing buffer instead.
@@ -187,6 +187,10 @@ class _Capture:
         self.static_grad_in: list[list[torch.Tensor]] = []
         self.generation = 0
         self.last_ctx: weakref.ref | None = None
+        # What the backward needs even after a rebuild: the replicas whose weights its graphs
+        # read, and the parameters its gradients are sliced for.
+        self.replicas: list[_Replica] = []
+        self.grad_params: list[torch.Tensor] = []
 
 
 class GraphedReplicas:
@@ -215,8 +219,9 @@ class GraphedReplicas:
     @staticmethod
     def _current_layout(modules: list[nn.Module]) -> tuple[Any, ...]:
         # Checked before every forward, so one direct pass over the modules' dictionaries
-        # (Module.parameters() and buffers() cost several times more): which modules, and where
-        # each parameter and buffer lives. New storage (p.data = ..., .to()) changes data_ptr.
+        # (Module.parameters() and buffers() cost several times more): which modules, which
+        # parameter and buffer objects, and where and in what shape each lives (p.data = ...,
+        # .to() and a new nn.Parameter over the same storage all show).
         seen: set[int] = set()
         key: list[Any] = []
         for m in modules:
@@ -224,11 +229,11 @@ class GraphedReplicas:
             for p in m._parameters.values():
                 if p is not None and id(p) not in seen:
                     seen.add(id(p))
-                    key.append((p.data_ptr(), p.requires_grad))
+                    key.append((id(p), p.data_ptr(), p.requires_grad, p.shape, p.dtype))
             for b in m._buffers.values():
                 if b is not None and id(b) not in seen:
                     seen.add(id(b))
-                    key.append(b.data_ptr())
+                    key.append((id(b), b.data_ptr(), b.shape, b.dtype))
         return tuple(key)
 
     def _rebuild(self, n: int) -> None:
@@ -245,29 +250,31 @@ class GraphedReplicas:
                 )
         self.param_mirror = _Mirror(self.params)
         self.buffer_mirror = _Mirror(self.buffers)
-        src = self.devices[0]
-        first = _Replica(
-            self.module,
-            self.params,
-            self.buffers,
-            [p.detach() for p in self.params],
-            list(self.buffers),
-            [src],
-            self.stale_attributes,
-        )
-        self._replicas.append(first)
-        for device in self.devices[1:n]:
-            params, buffers = self.param_mirror.mirror(device), self.buffer_mirror.mirror(device)
+        devices = self.devices[:n]
+        # One replicate call, so post-replicate hooks see each replica's own index.
+        with torch.no_grad():
+            copies = replicate(
+                self.module, devices, detach=True, stale_attributes=self.stale_attributes
+            )
+        for j, (copy, device) in enumerate(zip(copies, devices, strict=True)):
+            if j == 0:
+                flats = None
+                param_storage = [p.detach() for p in self.params]
+                buffer_storage = list(self.buffers)
+            else:
+                flats = (self.param_mirror.mirror(device), self.buffer_mirror.mirror(device))
+                param_storage, buffer_storage = flats[0].views, flats[1].views
             replica = _Replica(
                 self.module,
+                copy,
                 self.params,
                 self.buffers,
-                params.views,
-                buffers.views,
-                [src, device],
-                self.stale_attributes,
+                param_storage,
+                buffer_storage,
+                device,
             )
-            replica.params, replica.buffers = params, buffers
+            if flats is not None:
+                replica.params, replica.buffers = flats
             self._replicas.append(replica)
 
     # -- the step ------------------------------------------------------------------------------
@@ -275,6 +282,10 @@ class GraphedReplicas:
     def run(self, inputs: Sequence[Any], kwargs: Sequence[Any]) -> list[Any] | None:
         """The per-replica outputs of one forward, or None when this forward must run eagerly."""
         n = len(inputs)
+        if torch.is_inference_mode_enabled():
+            # Tensors made now would be inference tensors, which later (training) forwards
+            # could not refresh in place; inference mode runs eagerly.
+            return None
         modules = list(self.module.modules())
         layout = self._current_layout(modules)
         if layout != self._layout or len(self._replicas) < n:
@@ -321,7 +332,7 @@ class GraphedReplicas:
         self._refresh(n)
         tensors = [t for flat in leaves for t in flat if isinstance(t, torch.Tensor)]
         if grad:
-            outs = _GraphedStep.apply(self, capture, *tensors, *self.grad_params)
+            outs = _GraphedStep.apply(self, capture, *tensors, *capture.grad_params)
         else:
             outs = self._forward(capture, tensors)
         return self._outputs(capture, outs)
@@ -374,6 +385,8 @@ class GraphedReplicas:
         n = len(leaves)
         self._refresh(n)
         capture = _Capture()
+        capture.replicas = self._replicas[:n]
+        capture.grad_params = list(self.grad_params)
         modules = self._modules(n)
         devices = self.devices[:n]
         for flat, spec, device in zip(leaves, specs, devices, strict=True):
@@ -413,9 +426,14 @@ class GraphedReplicas:
             torch.set_autocast_cache_enabled(cache)
         self._refresh(n)  # the replicas' buffers too
         torch.set_autocast_cache_enabled(False)
+        streams = {d: torch.cuda.current_stream(d) for d in set(devices)}
         try:
             self._record(capture, modules, devices, grad)
         except Exception as e:
+            # torch.cuda.graph does not restore the current stream when ending a failed capture
+            # raises too.
+            for stream in streams.values():
+                torch.cuda.set_stream(stream)
             raise RuntimeError(
                 f"{_API}: capturing the replicas' forward and backward as CUDA graphs failed "
                 f"({type(e).__name__}: {e}). The forward must be capturable: no synchronisation "
@@ -469,8 +487,11 @@ class GraphedReplicas:
         for j, (module, device) in enumerate(zip(modules, devices, strict=True)):
             with torch.cuda.device(device):
                 pool = torch.cuda.graph_pool_handle()
+                # A capture stream of this device (torch.cuda.graph's default one belongs to the
+                # device that was current when it was first used).
+                stream = torch.cuda.Stream(device)
                 forward = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(forward, pool=pool):
+                with torch.cuda.graph(forward, pool=pool, stream=stream):
                     out = self._call(module, capture, j)
                 out_leaves, out_spec = tree_flatten(out)
                 capture.forward_graphs.append(forward)
@@ -486,7 +507,7 @@ class GraphedReplicas:
                 params = self._grad_params(j)
                 inputs = [capture.static_in[j][i] for i in capture.in_grad_index[j]]
                 backward = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(backward, pool=pool):
+                with torch.cuda.graph(backward, pool=pool, stream=stream):
                     if outs and (params or inputs):
                         grads = torch.autograd.grad(
                             outs, params + inputs, grad_outputs=grad_out, allow_unused=True
@@ -570,6 +591,12 @@ class _GraphedStep(torch.autograd.Function):
                 "the backward before the next forward of the same input shapes, or use "
                 "cuda_graphs=False"
             )
+        if ctx.done:
+            raise RuntimeError(
+                f"{_API}: a second backward pass through the same graphed forward is not "
+                "supported (the captured backward does not keep the saved activations); run the "
+                "forward again, or use cuda_graphs=False for retain_graph=True"
+            )
         devices = graphed.devices[: len(capture.forward_graphs)]
         first = devices[0]
         # The engine made this node's stream wait for every incoming gradient; the other
@@ -600,7 +627,7 @@ class _GraphedStep(torch.autograd.Function):
                 graph.replay()
         ctx.done = True
 
-        param_grads: list[torch.Tensor | None] = [None] * len(graphed.grad_params)
+        param_grads: list[torch.Tensor | None] = [None] * len(capture.grad_params)
         totals = {}
         for dtype, flat in capture.flat_grads[0].items():
             total = flat.clone()
@@ -608,7 +635,7 @@ class _GraphedStep(torch.autograd.Function):
                 total.add_(capture.flat_grads[j][dtype].to(first, non_blocking=True))
             totals[dtype] = total
         offsets: dict[torch.dtype, int] = {}
-        for i, p in enumerate(graphed.grad_params):
+        for i, p in enumerate(capture.grad_params):
             offset = offsets.get(p.dtype, 0)
             param_grads[i] = totals[p.dtype][offset : offset + p.numel()].view(p.shape)
             offsets[p.dtype] = offset + p.numel()

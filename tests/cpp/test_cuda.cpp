@@ -347,4 +347,16 @@ TEST_CASE("CUDA graphs: pending and replayed backward passes", "[cuda]") {
   first.backward({}, /*retain_graph=*/true);
   graphed->forward(x1).sum().backward();
   TORCHDP_CHECK_THROWS_WITH(first.backward(), "replayed by a later forward");
+  // Without a replay in between, a second backward is refused too.
+  auto again = graphed->forward(x1).sum();
+  again.backward({}, /*retain_graph=*/true);
+  TORCHDP_CHECK_THROWS_WITH(again.backward(), "second backward pass through the same graphed");
+  // Inference mode runs eagerly (and captures nothing); training goes on afterwards.
+  const auto captures = graphed->graph_captures();
+  {
+    c10::InferenceMode inference;
+    CHECK(torch::allclose(graphed->forward(x2), eager->forward(x2), 1e-4, 1e-5));
+  }
+  CHECK(graphed->graph_captures() == captures);
+  graphed->forward(x2).sum().backward();
 }

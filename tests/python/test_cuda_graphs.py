@@ -193,6 +193,39 @@ def test_backward_through_a_replayed_forward_raises(ids):
     graphed(x).sum().backward()  # replays the same graphs
     with pytest.raises(RuntimeError, match="replayed by a later forward"):
         first.backward()
+    # Without a replay in between, a second backward is refused too: the captured backward
+    # freed its saved activations.
+    again = graphed(x).sum()
+    again.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward pass through the same graphed"):
+        again.backward()
+
+
+@pytest.mark.parametrize("ids", device_lists())
+def test_inference_mode_runs_eagerly_and_training_goes_on(ids):
+    net, ref, graphed, eager = _pair(mlp, ids)
+    x = torch.randn(8, 32, device=f"cuda:{ids[0]}")
+    with torch.inference_mode():
+        torch.testing.assert_close(graphed(x), eager(x))
+    assert _graphed(graphed).captures_made == 0
+    graphed(x).sum().backward()
+    eager(x).sum().backward()
+    _assert_same_module_state(net, ref)
+
+
+@pytest.mark.parametrize("ids", device_lists())
+def test_a_rebuild_while_a_backward_is_pending(ids):
+    net, ref, graphed, eager = _pair(mlp, ids)
+    x = torch.randn(8, 32, device=f"cuda:{ids[0]}")
+    pending, pending_ref = graphed(x).sum(), eager(x).sum()
+    # New storage for one weight: the next forward rebuilds; the pending backward still uses
+    # the replicas and parameters of its own forward.
+    with torch.no_grad():
+        net[2].weight.data = net[2].weight.data.clone()
+        ref[2].weight.data = ref[2].weight.data.clone()
+    (graphed(x).square().sum() + pending).backward()
+    (eager(x).square().sum() + pending_ref).backward()
+    _assert_same_module_state(net, ref)
 
 
 @pytest.mark.parametrize("ids", device_lists())

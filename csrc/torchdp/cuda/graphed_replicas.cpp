@@ -13,6 +13,7 @@
 #include <ATen/cuda/CUDAGeneratorImpl.h>
 #include <ATen/cuda/CUDAGraph.h>
 #include <c10/core/GradMode.h>
+#include <c10/core/InferenceMode.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -138,6 +139,15 @@ void wait_for(const c10::cuda::CUDAStream& stream, const c10::cuda::CUDAStream& 
   event.block(stream);
 }
 
+// Ends a capture whose recording threw, so that the stream and the allocator leave capture mode
+// (the graph is discarded; ending an invalidated capture may report an error of its own).
+void end_failed_capture(at::cuda::CUDAGraph& graph) {
+  try {
+    graph.capture_end();
+  } catch (...) {
+  }
+}
+
 struct Replica {
   std::shared_ptr<torch::nn::Module> module;
   std::vector<at::Tensor> grad_params; // the leaves whose gradients the backward graph packs
@@ -154,6 +164,10 @@ struct Capture {
   std::vector<std::vector<at::Tensor>> static_grad_in; // per replica, per argument (or undefined)
   int64_t generation = 0;
   std::weak_ptr<bool> pending; // alive while the last forward's node waits for its backward
+  // What the backward needs even after a rebuild: the replicas whose weights its graphs read,
+  // and the parameters its gradients are sliced for.
+  std::vector<Replica> replicas;
+  std::vector<at::Tensor> grad_params;
 };
 
 } // namespace
@@ -193,6 +207,7 @@ struct GraphedBackward : Node {
   std::shared_ptr<Capture> capture;
   int64_t generation = 0;
   std::shared_ptr<bool> pending;
+  bool consumed = false;
   size_t n = 0;
 
   std::string name() const override {
@@ -204,6 +219,11 @@ struct GraphedBackward : Node {
                 ": this backward pass goes through a forward whose CUDA graphs have been replayed "
                 "by a later forward since, which overwrote its saved activations; run the backward "
                 "before the next forward of the same input shapes, or turn cuda_graphs off");
+    TORCH_CHECK(!consumed, kApi,
+                ": a second backward pass through the same graphed forward is not supported (the "
+                "captured backward does not keep the saved activations); run the forward again, "
+                "or turn cuda_graphs off for retain_graph=true");
+    consumed = true;
     const auto& devices = state->devices;
     const auto first = devices[0];
     const auto node_stream = c10::cuda::getCurrentCUDAStream(first.index());
@@ -239,7 +259,7 @@ struct GraphedBackward : Node {
       totals[dtype] = total;
     }
     std::map<at::ScalarType, int64_t> offsets;
-    for (const auto& p : state->grad_params) {
+    for (const auto& p : capture->grad_params) {
       auto& offset = offsets[p.scalar_type()];
       out.push_back(totals.at(p.scalar_type()).narrow(0, offset, p.numel()).view(p.sizes()));
       offset += p.numel();
@@ -262,14 +282,23 @@ std::vector<int64_t> GraphedReplicas::State::current_layout() const {
   for (const auto& m : modules) {
     key.push_back(static_cast<int64_t>(reinterpret_cast<intptr_t>(m.get())));
   }
+  // Which tensors, where they live and in what shape (set_data, to() and a new tensor over the
+  // same storage all show).
+  auto add = [&key](const at::Tensor& t) {
+    key.push_back(static_cast<int64_t>(reinterpret_cast<intptr_t>(t.unsafeGetTensorImpl())));
+    key.push_back(static_cast<int64_t>(reinterpret_cast<intptr_t>(t.data_ptr())));
+    key.push_back(static_cast<int64_t>(t.scalar_type()));
+    key.push_back(t.dim());
+    for (const auto size : t.sizes()) {
+      key.push_back(size);
+    }
+  };
   for (const auto& p : module->parameters()) {
-    key.push_back(static_cast<int64_t>(reinterpret_cast<intptr_t>(p.data_ptr())));
+    add(p);
     key.push_back(p.requires_grad() ? 1 : 0);
-    key.push_back(p.numel());
   }
   for (const auto& b : module->buffers()) {
-    key.push_back(static_cast<int64_t>(reinterpret_cast<intptr_t>(b.data_ptr())));
-    key.push_back(b.numel());
+    add(b);
   }
   return key;
 }
@@ -393,9 +422,12 @@ void GraphedReplicas::State::record(Capture& capture, const Call& call, size_t n
     auto forward = std::make_unique<at::cuda::CUDAGraph>();
     forward->capture_begin(at::cuda::graph_pool_handle());
     at::Tensor out;
-    {
+    try {
       auto args = capture.static_in[j];
       out = call(replicas[j].module, args);
+    } catch (...) {
+      end_failed_capture(*forward);
+      throw;
     }
     forward->capture_end();
     const bool needs_grad = capture.grad && out.requires_grad();
@@ -418,22 +450,27 @@ void GraphedReplicas::State::record(Capture& capture, const Call& call, size_t n
         grad_out = at::empty_like(out);
       }
       backward->capture_begin(forward->pool());
-      variable_list grads(wrt.size());
-      if (needs_grad && !wrt.empty()) {
-        grads = torch::autograd::grad({out}, wrt, {grad_out}, false, false, true);
-      }
-      std::map<at::ScalarType, std::vector<at::Tensor>> parts;
-      for (const auto k : c10::irange(params.size())) {
-        auto g = grads[k].defined() ? grads[k] : at::zeros_like(params[k]);
-        parts[g.scalar_type()].push_back(g.reshape({-1}));
-      }
-      for (auto& [dtype, list] : parts) {
-        flat_grads[dtype] = at::cat(list);
-      }
-      for (const auto k : c10::irange(input_index.size())) {
-        const auto& g = grads[params.size() + k];
-        grad_in[input_index[k]] =
-            g.defined() ? g : at::zeros_like(capture.static_in[j][input_index[k]]);
+      try {
+        variable_list grads(wrt.size());
+        if (needs_grad && !wrt.empty()) {
+          grads = torch::autograd::grad({out}, wrt, {grad_out}, false, false, true);
+        }
+        std::map<at::ScalarType, std::vector<at::Tensor>> parts;
+        for (const auto k : c10::irange(params.size())) {
+          auto g = grads[k].defined() ? grads[k] : at::zeros_like(params[k]);
+          parts[g.scalar_type()].push_back(g.reshape({-1}));
+        }
+        for (auto& [dtype, list] : parts) {
+          flat_grads[dtype] = at::cat(list);
+        }
+        for (const auto k : c10::irange(input_index.size())) {
+          const auto& g = grads[params.size() + k];
+          grad_in[input_index[k]] =
+              g.defined() ? g : at::zeros_like(capture.static_in[j][input_index[k]]);
+        }
+      } catch (...) {
+        end_failed_capture(*backward);
+        throw;
       }
       backward->capture_end();
     }
@@ -452,6 +489,8 @@ std::shared_ptr<Capture> GraphedReplicas::State::capture(
   const size_t n = chunks.size();
   auto capture = std::make_shared<Capture>();
   capture->grad = grad;
+  capture->replicas.assign(replicas.begin(), replicas.begin() + static_cast<int64_t>(n));
+  capture->grad_params = grad_params;
   for (const auto j : c10::irange(n)) {
     std::vector<at::Tensor> args;
     for (const auto& c : chunks[j]) {
@@ -561,6 +600,11 @@ std::vector<at::Tensor> GraphedReplicas::run(const std::vector<std::vector<at::T
                                              const Call& call) {
   auto& s = *state_;
   const size_t n = chunks.size();
+  if (c10::InferenceMode::is_enabled()) {
+    // Tensors made now would be inference tensors, which later (training) forwards could not
+    // refresh in place; inference mode runs eagerly.
+    return {};
+  }
   TORCH_CHECK(n >= 1 && n <= s.devices.size(), kApi, ": got ", n, " chunk lists for ",
               s.devices.size(), " devices");
   auto layout = s.current_layout();
@@ -611,7 +655,7 @@ std::vector<at::Tensor> GraphedReplicas::run(const std::vector<std::vector<at::T
   for (const auto& args : chunks) {
     inputs.insert(inputs.end(), args.begin(), args.end());
   }
-  inputs.insert(inputs.end(), s.grad_params.begin(), s.grad_params.end());
+  inputs.insert(inputs.end(), capture->grad_params.begin(), capture->grad_params.end());
   bool any = false;
   for (const auto& t : inputs) {
     any = any || (t.defined() && t.requires_grad());
