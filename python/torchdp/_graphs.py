@@ -82,8 +82,9 @@ class _Mirror:
         self.sources = list(sources)
         device = self.sources[0].device if self.sources else torch.device("cpu")
         self.packed = _Flat(self.sources, device)
+        # Detached once (same storage): packing runs before every forward.
         self._pairs = {
-            dtype: ([self.packed.views[i] for i in idx], [self.sources[i] for i in idx])
+            dtype: ([self.packed.views[i] for i in idx], [self.sources[i].detach() for i in idx])
             for dtype, idx in self.packed.by_dtype.items()
         }
 
@@ -93,7 +94,7 @@ class _Mirror:
     def pack(self) -> None:
         with torch.no_grad():
             for views, sources in self._pairs.values():
-                torch._foreach_copy_(views, [s.detach() for s in sources])
+                torch._foreach_copy_(views, sources)
 
     def copy_to(self, flat: _Flat) -> None:
         with torch.no_grad():
@@ -505,18 +506,18 @@ class GraphedReplicas:
                 outs = [out_leaves[i] for i in grad_index]
                 grad_out = [torch.empty_like(o) for o in outs]
                 params = self._grad_params(j)
-                inputs = [capture.static_in[j][i] for i in capture.in_grad_index[j]]
+                wrt = self._wrt(capture, j)
                 backward = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(backward, pool=pool, stream=stream):
-                    if outs and (params or inputs):
+                    if outs and wrt:
                         grads = torch.autograd.grad(
-                            outs, params + inputs, grad_outputs=grad_out, allow_unused=True
+                            outs, wrt, grad_outputs=grad_out, allow_unused=True
                         )
                     else:
-                        grads = (None,) * (len(params) + len(inputs))
+                        grads = (None,) * len(wrt)
                     full = [
                         torch.zeros_like(t) if g is None else g
-                        for g, t in zip(grads, params + inputs, strict=True)
+                        for g, t in zip(grads, wrt, strict=True)
                     ]
                     flat_grads = {}
                     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}

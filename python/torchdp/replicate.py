@@ -52,15 +52,6 @@ def _module_paths(network: nn.Module) -> dict[int, str]:
     return {id(m): name for name, m in network.named_modules()}
 
 
-def _path_of(module: nn.Module, root: nn.Module) -> str:
-    # Only on failure: the qualified name of ``module`` in ``root`` (replica 0 has the original's
-    # names).
-    for name, m in root.named_modules():
-        if m is module:
-            return name or "<root>"
-    return "?"
-
-
 def _run_post_replicate_hooks(
     modules: list[nn.Module],
     copies: list[list[nn.Module]],
@@ -116,10 +107,10 @@ def _run_replication_callbacks(copies: list[list[nn.Module]]) -> None:
                 # The exception keeps its type (SyncBN code may catch it); the note (Python >=
                 # 3.11) says where it came from.
                 if hasattr(e, "add_note"):
+                    path = _module_paths(copies[0][0]).get(id(copies[0][p]), "") or "<root>"
                     e.add_note(
                         f"{_API}: raised by the __data_parallel_replicate__ callback of module "
-                        f"{_path_of(copies[0][p], copies[0][0])!r} (type "
-                        f"{type(module).__qualname__}) for copy_id {copy_id}"
+                        f"{path!r} (type {type(module).__qualname__}) for copy_id {copy_id}"
                     )
                 raise
 

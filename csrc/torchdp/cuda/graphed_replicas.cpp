@@ -689,12 +689,6 @@ int64_t GraphedReplicas::captures_made() const {
   return state_->captures_made;
 }
 
-const std::shared_ptr<torch::nn::Module>& GraphedReplicas::module() const {
-  return state_->module;
-}
-
-GraphedReplicas::~GraphedReplicas() = default;
-
 bool cuda_graphs_available() {
   return true;
 }
@@ -723,16 +717,16 @@ int64_t GraphedReplicas::captures_made() const {
   return 0;
 }
 
-const std::shared_ptr<torch::nn::Module>& GraphedReplicas::module() const {
-  return state_->module;
-}
-
-GraphedReplicas::~GraphedReplicas() = default;
-
 bool cuda_graphs_available() {
   return false;
 }
 
 #endif // TORCHDP_WITH_CUDA
+
+const std::shared_ptr<torch::nn::Module>& GraphedReplicas::module() const {
+  return state_->module;
+}
+
+GraphedReplicas::~GraphedReplicas() = default;
 
 } // namespace torchdp::detail
