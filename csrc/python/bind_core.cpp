@@ -20,6 +20,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -89,6 +90,45 @@ py::list run_serially(const std::vector<py::function>& fns,
   return out;
 }
 
+// Note [Ctrl-C while replicas run]
+// The calling thread waits for the workers without the GIL, so Python cannot deliver a signal
+// to it there. The wait is interruptible instead (Note [Interruptible waits]): every 50 ms the
+// caller takes the GIL and runs the pending signal handlers (PyErr_CheckSignals; it does nothing
+// off the main thread). When a handler raises (KeyboardInterrupt on Ctrl-C), parallel_apply
+// raises that exception at once, as torch.nn.parallel's thread joins do, and the replicas still
+// running finish on their own; their results and errors are dropped. A signal that arrived while
+// the caller ran function 0 surfaces as that function's exception: one that is not an Exception
+// (KeyboardInterrupt, SystemExit) stops the wait the same way. Tasks may therefore outlive
+// the call: the functions, results and error slots live in one object the tasks share, destroyed
+// with the GIL held (make_python_run).
+struct PythonRun {
+  explicit PythonRun(const std::vector<py::function>& fns)
+      : fns(fns), results(fns.size()), python_errors(fns.size()), cpp_failed(fns.size(), 0) {}
+  std::vector<py::function> fns;
+  std::vector<py::object> results;
+  std::vector<PythonError> python_errors;
+  // Set by tasks that failed with a C++ exception (which parallel_run rethrows, wrapped).
+  std::vector<char> cpp_failed;
+};
+
+int delete_python_run(void* run) {
+  delete static_cast<PythonRun*>(run);
+  return 0;
+}
+
+// Destroyed where the GIL is held; a task that outlived its call (and holds the last reference)
+// hands the object to the main thread as a pending call instead of waiting for the GIL.
+std::shared_ptr<PythonRun> make_python_run(const std::vector<py::function>& fns) {
+  return std::shared_ptr<PythonRun>(new PythonRun(fns), [](PythonRun* run) {
+    if (PyGILState_Check()) {
+      delete run;
+    } else if (Py_AddPendingCall(&delete_python_run, run) != 0) {
+      // The queue is full (or the interpreter is gone): leak the object rather than touch
+      // Python objects without the GIL.
+    }
+  });
+}
+
 py::list parallel_apply(const std::vector<py::function>& fns,
                         const std::vector<c10::Device>& devices_in, bool serial) {
   constexpr const char* api = "torchdp.parallel_apply";
@@ -104,37 +144,55 @@ py::list parallel_apply(const std::vector<py::function>& fns,
     return run_serially(fns, normalize_devices(devices_in, api));
   }
   std::vector<c10::Device> devices;
-  std::vector<py::object> results(n);
-  std::vector<PythonError> python_errors(n);
-  // Set by tasks that failed with a C++ exception (which parallel_run rethrows, wrapped).
-  std::vector<char> cpp_failed(n, 0);
+  auto state = make_python_run(fns);
+  // The exception a signal handler raised while the caller waited (Note [Ctrl-C while replicas
+  // run]).
+  PythonError interrupt;
   {
     py::gil_scoped_release no_gil;
     devices = normalize_devices(devices_in, api);
+    const auto task = [state](size_t i) {
+      py::gil_scoped_acquire gil;
+      try {
+        state->results[i] = state->fns[i]();
+      } catch (py::error_already_set& e) {
+        state->python_errors[i] = PythonError{e.type(), e.value(), e.trace()};
+      } catch (...) {
+        state->cpp_failed[i] = 1;
+        throw;
+      }
+    };
+    const auto interrupted = [&interrupt, &state] {
+      py::gil_scoped_acquire gil;
+      // The signal may have reached the caller while it ran function 0 instead.
+      const auto& first = state->python_errors[0].type;
+      if (first && PyErr_GivenExceptionMatches(first.ptr(), PyExc_Exception) == 0) {
+        return true;
+      }
+      if (PyErr_CheckSignals() == 0) {
+        return false;
+      }
+      py::error_already_set e;
+      interrupt = PythonError{e.type(), e.value(), e.trace()};
+      return true;
+    };
     try {
-      parallel_run(n, devices, [&](size_t i) {
-        py::gil_scoped_acquire gil;
-        try {
-          results[i] = fns[i]();
-        } catch (py::error_already_set& e) {
-          python_errors[i] = PythonError{e.type(), e.value(), e.trace()};
-        } catch (...) {
-          cpp_failed[i] = 1;
-          throw;
-        }
-      });
+      parallel_run(n, devices, task, interrupted);
+    } catch (const Interrupted&) {
+      // Handled below, with the GIL.
     } catch (...) {
       // A C++ failure: it wins only when no lower-index task raised a Python exception.
       size_t first_cpp = n;
       for (size_t i = 0; i < n; ++i) {
-        if (cpp_failed[i]) {
+        if (state->cpp_failed[i]) {
           first_cpp = i;
           break;
         }
       }
       bool python_first = false;
       for (size_t i = 0; i < first_cpp; ++i) {
-        python_first = python_first || static_cast<bool>(python_errors[i].type); // no refcounting
+        // No refcounting: only the truth of the handle is read.
+        python_first = python_first || static_cast<bool>(state->python_errors[i].type);
       }
       if (!python_first) {
         throw;
@@ -142,14 +200,20 @@ py::list parallel_apply(const std::vector<py::function>& fns,
     }
   }
   // The GIL is held again from here on.
+  if (interrupt.type) {
+    PyErr_Restore(interrupt.type.release().ptr(), interrupt.value.release().ptr(),
+                  interrupt.trace.release().ptr());
+    throw py::error_already_set();
+  }
   for (size_t i = 0; i < n; ++i) {
-    if (python_errors[i].type) {
-      PyErr_Restore(python_errors[i].type.release().ptr(), python_errors[i].value.release().ptr(),
-                    python_errors[i].trace.release().ptr());
+    auto& error = state->python_errors[i];
+    if (error.type) {
+      PyErr_Restore(error.type.release().ptr(), error.value.release().ptr(),
+                    error.trace.release().ptr());
       throw py::error_already_set();
     }
   }
-  for (auto& result : results) {
+  for (auto& result : state->results) {
     out.append(std::move(result));
   }
   return out;

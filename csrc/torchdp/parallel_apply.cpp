@@ -7,6 +7,8 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Type.h>
 
+#include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <exception>
@@ -24,6 +26,9 @@ thread_local bool in_worker = false;
 // real time. Workers are created on first use, one per replica slot beyond the first, and live for
 // the process (the pool is leaked on purpose: joining threads from static destructors can deadlock
 // with libraries that are already torn down). Each worker runs the tasks of its slot in order.
+// A worker whose task was abandoned by an interrupted call (Note [Interruptible waits]) leaves its
+// slot: it finishes that task on its own and then idles for good, and the slot's next task gets a
+// new worker.
 class WorkerPool {
  public:
   static WorkerPool& instance() {
@@ -35,16 +40,28 @@ class WorkerPool {
     Worker* worker = nullptr;
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      while (workers_.size() <= slot) {
-        workers_.push_back(std::make_unique<Worker>());
+      if (workers_.size() <= slot) {
+        workers_.resize(slot + 1);
       }
-      worker = workers_[slot].get();
+      if (!workers_[slot]) {
+        workers_[slot] = new Worker();
+      }
+      worker = workers_[slot];
     }
     {
       std::lock_guard<std::mutex> lock(worker->mutex);
       worker->tasks.push_back(std::move(task));
     }
     worker->cv.notify_one();
+  }
+
+  // The worker of `slot` is busy with a task nobody waits for: give the slot a new worker next
+  // time. The old Worker object is leaked (its detached thread keeps using it).
+  void abandon(size_t slot) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (slot < workers_.size()) {
+      workers_[slot] = nullptr;
+    }
   }
 
  private:
@@ -79,7 +96,7 @@ class WorkerPool {
   };
 
   std::mutex mutex_;
-  std::vector<std::unique_ptr<Worker>> workers_;
+  std::vector<Worker*> workers_;
 };
 
 // Counts finished tasks; the caller waits for all.
@@ -97,6 +114,13 @@ struct Latch {
   void wait() {
     std::unique_lock<std::mutex> lock(mutex);
     cv.wait(lock, [this] {
+      return remaining == 0;
+    });
+  }
+  // True when every task finished within `timeout`.
+  bool wait_for(std::chrono::milliseconds timeout) {
+    std::unique_lock<std::mutex> lock(mutex);
+    return cv.wait_for(lock, timeout, [this] {
       return remaining == 0;
     });
   }
@@ -148,27 +172,32 @@ template <typename E>
   }
 }
 
-} // namespace
-
-void parallel_run(size_t n, const std::vector<c10::Device>& devices,
-                  const std::function<void(size_t)>& fn) {
-  TORCH_CHECK(devices.size() >= n, "torchdp::parallel_run: ", n, " tasks but only ", devices.size(),
-              " devices; pass one device per task");
-  if (n == 0) {
-    return;
-  }
-  // Captured in the calling thread: its current stream on each device and its thread-local state.
-  std::vector<std::optional<c10::Stream>> streams(n);
-  for (size_t i = 0; i < n; ++i) {
-    if (needs_guard(devices[i])) {
-      streams[i] = c10::impl::getDeviceGuardImpl(devices[i].type())->getStream(devices[i]);
+// Note [Interruptible waits]
+// Everything a call's tasks touch lives in one heap object that every task keeps alive, so a
+// caller that stops waiting (the interruptible parallel_run: Ctrl-C in Python while a replica
+// hangs) can return while tasks are still running. The tasks record their completion in
+// `finished`; the caller abandons the worker slots of the unfinished ones.
+struct Run {
+  Run(size_t n, const std::vector<c10::Device>& devices, std::function<void(size_t)> fn)
+      : devices(devices.begin(), devices.begin() + static_cast<std::ptrdiff_t>(n)),
+        streams(n),
+        autocast_cache(at::autocast::is_autocast_cache_enabled()),
+        errors(n),
+        finished(n),
+        fn(std::move(fn)),
+        latch(n > 0 ? n - 1 : 0) {
+    // Captured in the calling thread: its current stream on each device and its thread-local
+    // state.
+    for (size_t i = 0; i < n; ++i) {
+      if (needs_guard(this->devices[i])) {
+        streams[i] =
+            c10::impl::getDeviceGuardImpl(this->devices[i].type())->getStream(this->devices[i]);
+      }
+      finished[i] = false;
     }
   }
-  const at::ThreadLocalState state;
-  const bool autocast_cache = at::autocast::is_autocast_cache_enabled();
-  std::vector<std::exception_ptr> errors(n);
 
-  auto run_one = [&](size_t i) {
+  void run_one(size_t i) {
     try {
       at::ThreadLocalStateGuard tls_guard(state);
       at::autocast::set_autocast_cache_enabled(autocast_cache);
@@ -180,29 +209,87 @@ void parallel_run(size_t n, const std::vector<c10::Device>& devices,
     } catch (...) {
       errors[i] = std::current_exception();
     }
-  };
+    finished[i] = true;
+  }
 
-  if (n == 1 || in_worker) {
+  void rethrow_first_error() const {
+    for (size_t i = 0; i < errors.size(); ++i) {
+      if (errors[i]) {
+        rethrow_wrapped(errors[i], i, devices[i]);
+      }
+    }
+  }
+
+  std::vector<c10::Device> devices;
+  std::vector<std::optional<c10::Stream>> streams;
+  const at::ThreadLocalState state;
+  const bool autocast_cache;
+  std::vector<std::exception_ptr> errors;
+  std::vector<std::atomic<bool>> finished;
+  std::function<void(size_t)> fn;
+  Latch latch;
+};
+
+// Runs task 0 on the calling thread and the others on the pool; returns without waiting.
+std::shared_ptr<Run> start(size_t n, const std::vector<c10::Device>& devices,
+                           const std::function<void(size_t)>& fn) {
+  TORCH_CHECK(devices.size() >= n, "torchdp::parallel_run: ", n, " tasks but only ", devices.size(),
+              " devices; pass one device per task");
+  auto run = std::make_shared<Run>(n, devices, fn);
+  if (n <= 1 || in_worker) {
     for (size_t i = 0; i < n; ++i) {
-      run_one(i);
+      run->run_one(i);
     }
-  } else {
-    Latch latch(n - 1);
-    auto& pool = WorkerPool::instance();
-    for (size_t i = 1; i < n; ++i) {
-      pool.submit(i - 1, [&, i] {
-        run_one(i);
-        latch.count_down();
-      });
-    }
-    run_one(0);
-    latch.wait();
+    return run;
   }
-  for (size_t i = 0; i < n; ++i) {
-    if (errors[i]) {
-      rethrow_wrapped(errors[i], i, devices[i]);
+  auto& pool = WorkerPool::instance();
+  for (size_t i = 1; i < n; ++i) {
+    pool.submit(i - 1, [run, i] {
+      run->run_one(i);
+      run->latch.count_down();
+    });
+  }
+  run->run_one(0);
+  return run;
+}
+
+bool inline_run(size_t n) {
+  return n <= 1 || in_worker;
+}
+
+} // namespace
+
+void parallel_run(size_t n, const std::vector<c10::Device>& devices,
+                  const std::function<void(size_t)>& fn) {
+  const auto run = start(n, devices, fn);
+  if (!inline_run(n)) {
+    run->latch.wait();
+  }
+  // Every task is done with fn; the workers may still hold `run` for a moment.
+  run->fn = nullptr;
+  run->rethrow_first_error();
+}
+
+void parallel_run(size_t n, const std::vector<c10::Device>& devices,
+                  const std::function<void(size_t)>& fn, const std::function<bool()>& interrupted,
+                  int poll_ms) {
+  TORCH_CHECK(poll_ms > 0, "torchdp::parallel_run: poll_ms must be positive, got ", poll_ms);
+  const auto run = start(n, devices, fn);
+  if (!inline_run(n)) {
+    while (!run->latch.wait_for(std::chrono::milliseconds(poll_ms))) {
+      if (interrupted()) {
+        auto& pool = WorkerPool::instance();
+        for (size_t i = 1; i < n; ++i) {
+          if (!run->finished[i]) {
+            pool.abandon(i - 1);
+          }
+        }
+        throw Interrupted();
+      }
     }
   }
+  run->fn = nullptr;
+  run->rethrow_first_error();
 }
 
 } // namespace torchdp

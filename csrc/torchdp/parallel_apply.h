@@ -4,6 +4,7 @@
 #include <c10/core/Device.h>
 #include <c10/util/Exception.h>
 
+#include <exception>
 #include <functional>
 #include <optional>
 #include <vector>
@@ -23,6 +24,25 @@ namespace torchdp {
 /// calling thread instead.
 void parallel_run(size_t n, const std::vector<c10::Device>& devices,
                   const std::function<void(size_t)>& fn);
+
+/// Thrown by the interruptible parallel_run when `interrupted` returned true.
+class Interrupted : public std::exception {
+ public:
+  const char* what() const noexcept override {
+    return "torchdp::parallel_run: interrupted while waiting for the replicas";
+  }
+};
+
+/// parallel_run whose wait can be cut short (Note [Interruptible waits]): while the calling
+/// thread waits for the workers (after task 0), it calls `interrupted()` every `poll_ms`
+/// milliseconds; when that returns true, it throws Interrupted at once, without waiting for the
+/// tasks still running. Those tasks finish later on their own (their errors are dropped) and their
+/// worker slots are replaced by fresh workers, so the next call does not queue behind them.
+/// Because tasks may outlive the call, `fn` must own everything it uses (no references to the
+/// caller's stack). When `interrupted` never returns true this behaves as parallel_run.
+void parallel_run(size_t n, const std::vector<c10::Device>& devices,
+                  const std::function<void(size_t)>& fn, const std::function<bool()>& interrupted,
+                  int poll_ms = 50);
 
 /// Like torch::nn::parallel::parallel_apply: runs modules[i]->forward(inputs[i]) for every i in
 /// parallel (see parallel_run) and returns the outputs, output i moved to devices[i] (or to the

@@ -3,7 +3,9 @@
 The replicas run on torchdp's persistent C++ workers (``torchdp._C.parallel_apply``): one worker
 per replica (replica 0 on the calling thread), each with its device current, the caller's current
 stream for that device, and the caller's grad mode and full autocast state (enabled flags, dtypes,
-cache). The GIL is released while the caller waits.
+cache). The GIL is released while the caller waits. Ctrl-C still works while it waits: the
+KeyboardInterrupt is raised at once, as with torch.nn.parallel's threads, and replicas that are
+still running (a hung forward) finish in the background with their results dropped.
 """
 
 from __future__ import annotations

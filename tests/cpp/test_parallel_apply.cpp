@@ -3,6 +3,8 @@
 #include <ATen/autocast_mode.h>
 
 #include <atomic>
+#include <chrono>
+#include <memory>
 #include <thread>
 
 using namespace torchdp_test;
@@ -122,4 +124,83 @@ TEST_CASE("parallel_apply rejects mismatched lengths", "[cpu][parallel_apply]") 
   TORCHDP_CHECK_THROWS_WITH(
       torchdp::parallel_apply(modules, inputs, std::vector<torch::Device>{torch::kCPU}),
       "torchdp::parallel_apply", "2 modules but 1 devices");
+}
+
+TEST_CASE("an interrupted wait returns while a task hangs, and its slot gets a new worker",
+          "[cpu][parallel_apply]") {
+  const auto devices = cpu_devices(3);
+  // Owned by the tasks (they may outlive the call).
+  auto release = std::make_shared<std::atomic<bool>>(false);
+  auto late = std::make_shared<std::atomic<bool>>(false);
+  auto hung_thread = std::make_shared<std::thread::id>();
+  std::atomic<int> polls{0};
+  const auto started = std::chrono::steady_clock::now();
+  CHECK_THROWS_AS(torchdp::parallel_run(
+                      3, devices,
+                      [release, late, hung_thread](size_t i) {
+                        if (i == 2) {
+                          *hung_thread = std::this_thread::get_id();
+                          while (!*release) {
+                            std::this_thread::sleep_for(std::chrono::milliseconds(1));
+                          }
+                          *late = true;
+                        }
+                      },
+                      [&polls] {
+                        return ++polls >= 3;
+                      },
+                      5),
+                  torchdp::Interrupted);
+  CHECK(polls == 3);
+  CHECK(std::chrono::steady_clock::now() - started < std::chrono::seconds(5));
+  CHECK_FALSE(*late);
+  // The hung task's slot runs the next call on a new thread; the other slot kept its worker.
+  std::vector<std::thread::id> ids(3);
+  torchdp::parallel_run(3, devices, [&](size_t i) {
+    ids[i] = std::this_thread::get_id();
+  });
+  CHECK(ids[2] != *hung_thread);
+  CHECK(ids[1] != ids[2]);
+  // The abandoned task finishes on its own once released.
+  *release = true;
+  for (int i = 0; i < 5000 && !*late; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  CHECK(*late);
+}
+
+TEST_CASE("an interruptible wait that is not interrupted returns results and errors",
+          "[cpu][parallel_apply]") {
+  const auto devices = cpu_devices(3);
+  auto hits = std::make_shared<std::vector<int>>(3, 0);
+  torchdp::parallel_run(
+      3, devices,
+      [hits](size_t i) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(i == 1 ? 30 : 0));
+        (*hits)[i] = static_cast<int>(i) + 1;
+      },
+      [] {
+        return false;
+      },
+      1);
+  CHECK(*hits == std::vector<int>{1, 2, 3});
+  TORCHDP_CHECK_THROWS_WITH(torchdp::parallel_run(
+                                2, devices,
+                                [](size_t i) {
+                                  if (i == 1) {
+                                    throw std::runtime_error("replica one failed");
+                                  }
+                                },
+                                [] {
+                                  return false;
+                                }),
+                            "Caught std::runtime_error in replica 1 on device cpu.",
+                            "replica one failed");
+  TORCHDP_CHECK_THROWS_WITH(torchdp::parallel_run(
+                                1, devices, [](size_t) {},
+                                [] {
+                                  return false;
+                                },
+                                0),
+                            "poll_ms must be positive, got 0");
 }

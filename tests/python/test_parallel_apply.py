@@ -3,7 +3,9 @@ autocast state in the workers, and PyTorch's "Caught X in replica i on device d"
 
 from __future__ import annotations
 
+import _thread
 import threading
+import time
 
 import pytest
 import torch
@@ -219,3 +221,67 @@ def test_data_parallel_serial_forward_equals_the_module(n):
     ref(x).pow(2).sum().backward()
     for p, q in zip(net.parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+
+
+class Blocks(nn.Module):
+    """Signals ``started`` and then waits for ``release`` (a replica that hangs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.started = threading.Event()
+        self.release = threading.Event()
+        self.finished = threading.Event()
+
+    def forward(self, x):
+        self.started.set()
+        self.release.wait(60)
+        self.finished.set()
+        return x
+
+
+def _interrupt_main_when(event: threading.Event, delay: float) -> threading.Thread:
+    def run() -> None:
+        event.wait(10)
+        time.sleep(delay)
+        _thread.interrupt_main()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.2])
+def test_ctrl_c_interrupts_a_wait_for_a_hung_replica(delay):
+    hung = Blocks()
+    try:
+        helper = _interrupt_main_when(hung.started, delay)
+        start = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            torchdp.parallel_apply([Probe(), hung], [0, 0], None, cpu_devices(2))
+        assert time.monotonic() - start < 10
+        helper.join(10)
+        assert not hung.finished.is_set()
+        # The hung replica's worker slot runs the next call on a fresh thread.
+        outs = torchdp.parallel_apply([Probe(), Probe()], [0, 0], None, cpu_devices(2))
+        assert outs[1]["thread"] != threading.get_ident()
+        assert torchdp.parallel_apply([Raises(None)] * 2, [1, 2], None, cpu_devices(2)) == [1, 2]
+    finally:
+        hung.release.set()
+    # The abandoned replica finishes on its own; its result is dropped.
+    assert hung.finished.wait(10)
+    outs = torchdp.parallel_apply([Probe(), Probe()], [0, 0], None, cpu_devices(2))
+    assert len({o["thread"] for o in outs}) == 2
+
+
+def test_keyboard_interrupt_in_replica_zero_does_not_wait_for_a_hung_replica():
+    hung = Blocks()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            torchdp.parallel_apply(
+                [Raises(KeyboardInterrupt()), hung], [0, 0], None, cpu_devices(2)
+            )
+        assert hung.started.wait(10)
+        assert not hung.finished.is_set()
+    finally:
+        hung.release.set()
+    assert hung.finished.wait(10)
