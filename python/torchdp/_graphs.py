@@ -30,11 +30,14 @@ same signature while the first one's backward is still pending runs eagerly, and
 a forward whose graph has been replayed since raises. The parameters and buffers of the module must
 keep their storage (optimizers update them in place); when one of them is replaced (``p.data =``,
 ``.to()``, a new submodule) everything is rebuilt at the next forward. Signatures beyond
-``max_signatures`` run eagerly, with a warning.
+``max_signatures`` run eagerly, with a warning. Outputs must be tensors and containers that
+``torch.utils._pytree`` flattens (other objects are refused at the capture: a replay could not
+refresh the tensors inside them).
 """
 
 from __future__ import annotations
 
+import enum
 import warnings
 import weakref
 from collections.abc import Sequence
@@ -467,6 +470,7 @@ class GraphedReplicas:
                     side.wait_stream(torch.cuda.current_stream())
                     with torch.cuda.stream(side):
                         out = self._call(module, capture, j)
+                        _check_output(out, j, device)
                         if grad:
                             outs = [o for o in tree_flatten(out)[0] if _needs_grad(o)]
                             wrt = self._wrt(capture, j)
@@ -543,6 +547,40 @@ class GraphedReplicas:
     def _wrt(self, capture: _Capture, j: int) -> list[torch.Tensor]:
         inputs = [capture.static_in[j][i] for i in capture.in_grad_index[j]]
         return self._grad_params(j) + inputs
+
+
+# Output leaves other than tensors that a replay may hand back as they were at the capture.
+_CONSTANT_TYPES = (
+    type(None),
+    bool,
+    int,
+    float,
+    complex,
+    str,
+    bytes,
+    torch.dtype,
+    torch.device,
+    torch.layout,
+    torch.memory_format,
+    torch.Size,
+    enum.Enum,
+)
+
+
+def _check_output(out: Any, j: int, device: torch.device) -> None:
+    """Refuses outputs whose tensors a replay could not refresh: objects that pytree does not
+    look into come back from every replay as the object of the capture."""
+    for leaf in tree_flatten(out)[0]:
+        if not isinstance(leaf, (torch.Tensor, *_CONSTANT_TYPES)):
+            kind = type(leaf)
+            raise TypeError(
+                f"{_API}: the forward of replica {j} on {device} returned a "
+                f"{kind.__module__}.{kind.__qualname__} object, which a graph replay cannot "
+                "refresh (it would come back as the object of the capture, with the capture's "
+                "tensors). Return tensors, tuples, lists, dicts or named tuples of them, register "
+                "the type with torch.utils._pytree.register_pytree_node (dataclasses: "
+                "torch.utils._pytree.register_dataclass), or use cuda_graphs=False"
+            )
 
 
 def _is_tensor(x: Any) -> bool:

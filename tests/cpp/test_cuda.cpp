@@ -317,6 +317,9 @@ TEST_CASE("CUDA graphs: two replicas on one GPU train like the eager DataParalle
   SECTION("one device") {
     check_graphed_steps<Mlp>({gpus[0]}, {16, 10});
   }
+  SECTION("a shared submodule and a parameter at two positions") {
+    check_graphed_steps<SharedNet>(devices, {6, 5});
+  }
 }
 
 TEST_CASE("CUDA graphs: two GPUs train like the eager DataParallel", "[multi-cuda]") {
@@ -324,6 +327,7 @@ TEST_CASE("CUDA graphs: two GPUs train like the eager DataParallel", "[multi-cud
   torch::manual_seed(31);
   check_graphed_steps<Mlp>(devices, {16, 10});
   check_graphed_steps<ConvBnNet>(devices, {8, 3, 5, 5});
+  check_graphed_steps<SharedNet>(devices, {6, 5});
 }
 
 TEST_CASE("CUDA graphs: pending and replayed backward passes", "[cuda]") {

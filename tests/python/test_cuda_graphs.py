@@ -8,6 +8,7 @@ and, on machines with two GPUs, ``cuda:0, cuda:1``. The argument checks run on C
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import warnings
 
@@ -159,6 +160,40 @@ def test_structured_outputs_kwargs_and_eval(ids):
     with torch.no_grad():
         torch.testing.assert_close(graphed(x, scale=1.0)["h"], eager(x, scale=1.0)["h"])
     assert _graphed(graphed).captures_made == 3
+
+
+@dataclasses.dataclass
+class Result:
+    logits: torch.Tensor
+
+
+class ReturnsDataclass(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 3)
+        self.bn = nn.BatchNorm1d(6)
+
+    def forward(self, x):
+        return Result(self.fc(self.bn(x)))
+
+
+@pytest.mark.parametrize("ids", device_lists())
+def test_outputs_a_replay_cannot_refresh_are_refused(ids):
+    torch.manual_seed(0)
+    net = ReturnsDataclass().cuda(ids[0])
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    graphed = torchdp.DataParallel(net, devices=_devices(ids), cuda_graphs=True)
+    x = torch.randn(8, 6, device=f"cuda:{ids[0]}")
+    with pytest.raises(TypeError) as info:
+        graphed(x)
+    message = str(info.value)
+    assert "replica 0" in message and "ReturnsDataclass" not in message
+    assert ".Result object" in message and "register_pytree_node" in message
+    assert "cuda_graphs=False" in message
+    # The failed call left the module as it was (warm-up updates of BatchNorm undone).
+    for k, v in net.state_dict().items():
+        torch.testing.assert_close(v, before[k], msg=k)
+    assert _graphed(graphed).captures_made == 0
 
 
 @pytest.mark.parametrize("ids", device_lists())
