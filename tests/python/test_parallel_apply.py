@@ -4,6 +4,7 @@ autocast state in the workers, and PyTorch's "Caught X in replica i on device d"
 from __future__ import annotations
 
 import _thread
+import signal
 import threading
 import time
 
@@ -250,8 +251,17 @@ def _interrupt_main_when(event: threading.Event, delay: float) -> threading.Thre
     return thread
 
 
+@pytest.fixture
+def sigint_raises():
+    """Python's own SIGINT handler for the test: a process started in the background by a
+    non-interactive shell inherits SIGINT ignored, and then Python installs none."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 @pytest.mark.parametrize("delay", [0.0, 0.2])
-def test_ctrl_c_interrupts_a_wait_for_a_hung_replica(delay):
+def test_ctrl_c_interrupts_a_wait_for_a_hung_replica(delay, sigint_raises):
     hung = Blocks()
     try:
         helper = _interrupt_main_when(hung.started, delay)
@@ -273,7 +283,7 @@ def test_ctrl_c_interrupts_a_wait_for_a_hung_replica(delay):
     assert len({o["thread"] for o in outs}) == 2
 
 
-def test_keyboard_interrupt_in_replica_zero_does_not_wait_for_a_hung_replica():
+def test_keyboard_interrupt_in_replica_zero_does_not_wait_for_a_hung_replica(sigint_raises):
     hung = Blocks()
     try:
         with pytest.raises(KeyboardInterrupt):
