@@ -59,7 +59,8 @@ struct PythonError {
 // modules) that ping-pong can double its cost. serial=True runs the functions one after the
 // other on the calling thread instead, each with its device current (kernels are queued
 // asynchronously, so device j starts as soon as its forward is issued); same results, same error
-// rule (every function runs; the lowest-index exception is re-raised).
+// rule (every function runs; the lowest-index exception is re-raised), except that an exception
+// that is not an Exception (KeyboardInterrupt on Ctrl-C, SystemExit) is raised at once.
 py::list run_serially(const std::vector<py::function>& fns,
                       const std::vector<c10::Device>& devices) {
   const size_t n = fns.size();
@@ -73,6 +74,9 @@ py::list run_serially(const std::vector<py::function>& fns,
     try {
       results[i] = fns[i]();
     } catch (py::error_already_set& e) {
+      if (PyErr_GivenExceptionMatches(e.type().ptr(), PyExc_Exception) == 0) {
+        throw; // KeyboardInterrupt, SystemExit: the remaining functions do not run
+      }
       errors[i] = PythonError{e.type(), e.value(), e.trace()};
     }
   }

@@ -104,7 +104,8 @@ def parallel_apply(
         serial (bool, keyword-only): run the modules one after the other on the calling thread
             (each with its device current) instead of on parallel workers. Python forwards made
             of many small operations run faster this way: parallel workers hand the GIL back and
-            forth at every operation. Same results and errors. Modules that wait for each other
+            forth at every operation. Same results and errors (a KeyboardInterrupt stops at
+            the replica it reached; the later ones do not run). Modules that wait for each other
             (cross-replica synchronisation inside the forward) need the parallel workers.
             Default: ``False``.
 

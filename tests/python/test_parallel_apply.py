@@ -205,6 +205,12 @@ def test_serial_keeps_grad_mode_autocast_and_the_error_rule():
     with pytest.raises(KeyError, match="Caught KeyError in replica 1 on device cpu"):
         torchdp.parallel_apply(modules, [0, 1, 2], None, cpu_devices(3), serial=True)
     assert ran == [0, 1, 2]  # every replica ran, as with workers
+    # Ctrl-C in a replica stops there: the replicas after it do not run.
+    ran.clear()
+    modules = [Mark(None), Mark(KeyboardInterrupt()), Mark(None)]
+    with pytest.raises(KeyboardInterrupt):
+        torchdp.parallel_apply(modules, [0, 1, 2], None, cpu_devices(3), serial=True)
+    assert ran == [0, 1]
 
 
 @pytest.mark.parametrize("n", [2, 3])
