@@ -80,7 +80,7 @@ def load_results(
                 raise SystemExit(f"{path}: not a torchdp benchmark results file") from e
         m = data.get("machine") or {}
         if i == 0:
-            machine = m
+            machine = _cpp_only_machine(m) if m.get("source") == "cpp" else m
         else:
             extra_machines.append(m)
         for r in data.get("records") or []:
@@ -224,6 +224,17 @@ def grads_cell(r: Record) -> str:
 # ---- sections -----------------------------------------------------------------------------------
 
 
+def _cpp_only_machine(machine: dict[str, Any]) -> dict[str, Any]:
+    """The machine block of a file written by the C++ benchmark alone, in the Python blocks' keys
+    (older C++ files name neither the GPUs nor the date: they stay unknown, not "CPU")."""
+    out = dict(machine)
+    out["torch"] = f"libtorch {machine.get('libtorch') or '?'}"
+    out["torchdp"] = machine.get("torchdp_version")
+    out["torchdp_has_cuda"] = machine.get("torchdp_with_cuda")
+    out["torchdp_has_nccl"] = machine.get("torchdp_with_nccl")
+    return out
+
+
 def machine_section(machine: dict[str, Any], extra: list[dict[str, Any]]) -> list[str]:
     gpus = machine.get("gpus") or []
     gpu_text = (
@@ -231,6 +242,8 @@ def machine_section(machine: dict[str, Any], extra: list[dict[str, Any]]) -> lis
         if gpus and len(set(gpus)) == 1
         else (", ".join(gpus) if gpus else "none (CPU)")
     )
+    if not gpus and machine.get("cuda_devices"):
+        gpu_text = f"{machine['cuda_devices']} CUDA device(s), names not recorded"
     rev = str(machine.get("torchdp_git_revision") or "—")
     rows = [
         ("GPUs", gpu_text),
@@ -791,6 +804,8 @@ def plot_placeholder(path: str, text: str) -> str:
 
 
 def machine_name_text(machine: dict[str, Any]) -> str:
+    if not machine.get("gpus") and machine.get("cuda_devices"):
+        return ""  # GPUs whose names the file does not record
     try:
         name = common.machine_name(machine)
     except Exception:  # noqa: BLE001

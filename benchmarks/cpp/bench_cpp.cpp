@@ -42,6 +42,7 @@
 #include <torch/nn/parallel/data_parallel.h>
 #endif
 #if TORCHDP_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #endif
 
@@ -628,7 +629,21 @@ struct Bench {
 #else
     torch_version << "unknown";
 #endif
+    // The GPUs' names and the date, so that a C++-only results file says where it ran.
+    std::string gpus = "[";
+#if TORCHDP_WITH_CUDA
+    for (int i = 0; i < cuda_devices; ++i) {
+      gpus += (i ? ", " : "") + json_string(at::cuda::getDeviceProperties(i)->name);
+    }
+#endif
+    gpus += "]";
+    char date[32] = "";
+    const std::time_t now = std::time(nullptr);
+    std::strftime(date, sizeof date, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
     f << "{\"machine\": {\"source\": \"cpp\", \"torchdp_version\": " << json_string(TORCHDP_VERSION)
+      << ", \"date\": " << json_string(date) << ", \"gpus\": " << gpus
+      << ", \"torchdp_git_revision\": "
+      << json_string(std::getenv("TORCHDP_GIT_REV") ? std::getenv("TORCHDP_GIT_REV") : "")
       << ", \"libtorch\": " << json_string(torch_version.str())
       << ", \"cuda_devices\": " << cuda_devices
       << ", \"torchdp_with_cuda\": " << (TORCHDP_WITH_CUDA ? "true" : "false")
