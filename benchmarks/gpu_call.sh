@@ -13,7 +13,8 @@
 #   probe     benchmarks/probe_cuda_graphs.py over all GPUs
 #   test      make test (TORCHDP_REQUIRE_CUDA=1 with two GPUs or more)
 # Environment: OUT (required), BUDGET_S (seconds for the whole call, default 560),
-# TORCHDP_GIT_REV (default: git rev-parse --short HEAD).
+# TORCHDP_GIT_REV (pass it: the device tool's copy of the tree may carry an older .git, so the
+# default, git rev-parse --short HEAD, can name the wrong revision).
 set -u -o pipefail
 name=${1:?usage: gpu_call.sh <name> [priority|bench|probe|test ...]}
 shift
@@ -24,7 +25,10 @@ steps=("$@")
 # Never NVLink multicast on shared multi-GPU hosts (also for the processes the steps start).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1
-TORCHDP_GIT_REV=${TORCHDP_GIT_REV:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+if [ -z "${TORCHDP_GIT_REV:-}" ]; then
+  TORCHDP_GIT_REV=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+  echo "warning: TORCHDP_GIT_REV not set; using git's $TORCHDP_GIT_REV, which may lag the tree" >&2
+fi
 export TORCHDP_GIT_REV
 gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 jobs=$(nproc)
