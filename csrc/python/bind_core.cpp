@@ -115,6 +115,33 @@ struct PythonRun {
   std::vector<char> cpp_failed;
 };
 
+bool interpreter_finalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing() != 0;
+#else
+  return _Py_IsFinalizing() != 0;
+#endif
+}
+
+// The GIL of a task. An abandoned task may still run when the interpreter exits; Python then
+// ends its thread (pthread_exit) as soon as it asks for the GIL again, and that unwinding must
+// neither be stopped nor run pybind11's thread-state cleanup against a finalizing interpreter:
+// the guard is not released then (the process is exiting).
+class TaskGil {
+ public:
+  TaskGil() : gil_(new py::gil_scoped_acquire()) {}
+  ~TaskGil() {
+    if (!interpreter_finalizing()) {
+      delete gil_;
+    }
+  }
+  TaskGil(const TaskGil&) = delete;
+  TaskGil& operator=(const TaskGil&) = delete;
+
+ private:
+  py::gil_scoped_acquire* gil_;
+};
+
 int delete_python_run(void* run) {
   delete static_cast<PythonRun*>(run);
   return 0;
@@ -124,6 +151,9 @@ int delete_python_run(void* run) {
 // hands the object to the main thread as a pending call instead of waiting for the GIL.
 std::shared_ptr<PythonRun> make_python_run(const std::vector<py::function>& fns) {
   return std::shared_ptr<PythonRun>(new PythonRun(fns), [](PythonRun* run) {
+    if (interpreter_finalizing()) {
+      return; // an abandoned task ending at exit: leave its Python objects alone
+    }
     if (PyGILState_Check()) {
       delete run;
     } else if (Py_AddPendingCall(&delete_python_run, run) != 0) {
@@ -156,13 +186,13 @@ py::list parallel_apply(const std::vector<py::function>& fns,
     py::gil_scoped_release no_gil;
     devices = normalize_devices(devices_in, api);
     const auto task = [state](size_t i) {
-      py::gil_scoped_acquire gil;
+      TaskGil gil;
       try {
         state->results[i] = state->fns[i]();
       } catch (py::error_already_set& e) {
         state->python_errors[i] = PythonError{e.type(), e.value(), e.trace()};
       } catch (...) {
-        state->cpp_failed[i] = 1;
+        state->cpp_failed[i] = 1; // also set by a forced unwind, which nobody reads then
         throw;
       }
     };

@@ -7,6 +7,10 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Type.h>
 
+#if defined(__GLIBCXX__)
+#include <cxxabi.h> // abi::__forced_unwind
+#endif
+
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -26,9 +30,9 @@ thread_local bool in_worker = false;
 // real time. Workers are created on first use, one per replica slot beyond the first, and live for
 // the process (the pool is leaked on purpose: joining threads from static destructors can deadlock
 // with libraries that are already torn down). Each worker runs the tasks of its slot in order.
-// A worker whose task was abandoned by an interrupted call (Note [Interruptible waits]) leaves its
-// slot: it finishes that task on its own and then idles for good, and the slot's next task gets a
-// new worker.
+// A worker whose task was abandoned by an interrupted call (Note [Interruptible waits]) is retired:
+// it leaves its slot, finishes that task on its own and then ends its thread; the slot's next
+// task gets a new worker.
 class WorkerPool {
  public:
   static WorkerPool& instance() {
@@ -37,29 +41,34 @@ class WorkerPool {
   }
 
   void submit(size_t slot, std::function<void()> task) {
-    Worker* worker = nullptr;
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (workers_.size() <= slot) {
-        workers_.resize(slot + 1);
-      }
-      if (!workers_[slot]) {
-        workers_[slot] = new Worker();
-      }
-      worker = workers_[slot];
+    // The task is queued under the pool's lock, so a worker that abandon() retires gets no task
+    // after it was retired (lock order: pool, then worker).
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (workers_.size() <= slot) {
+      workers_.resize(slot + 1);
     }
+    if (!workers_[slot]) {
+      workers_[slot] = new Worker();
+    }
+    Worker* worker = workers_[slot];
     {
-      std::lock_guard<std::mutex> lock(worker->mutex);
+      std::lock_guard<std::mutex> worker_lock(worker->mutex);
       worker->tasks.push_back(std::move(task));
     }
     worker->cv.notify_one();
   }
 
-  // The worker of `slot` is busy with a task nobody waits for: give the slot a new worker next
-  // time. The old Worker object is leaked (its detached thread keeps using it).
+  // The worker of `slot` is busy with a task nobody waits for: it is retired (its thread ends,
+  // and deletes it, once its queue is empty) and the slot gets a new worker next time.
   void abandon(size_t slot) {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (slot < workers_.size()) {
+    if (slot < workers_.size() && workers_[slot]) {
+      Worker* worker = workers_[slot];
+      {
+        std::lock_guard<std::mutex> worker_lock(worker->mutex);
+        worker->retired = true;
+      }
+      worker->cv.notify_one();
       workers_[slot] = nullptr;
     }
   }
@@ -69,11 +78,13 @@ class WorkerPool {
     std::mutex mutex;
     std::condition_variable cv;
     std::deque<std::function<void()>> tasks;
+    bool retired = false;
     std::thread thread;
 
     Worker()
         : thread([this] {
             loop();
+            delete this; // retired: nothing refers to this worker any more
           }) {
       thread.detach();
     }
@@ -85,8 +96,11 @@ class WorkerPool {
         {
           std::unique_lock<std::mutex> lock(mutex);
           cv.wait(lock, [this] {
-            return !tasks.empty();
+            return !tasks.empty() || retired;
           });
+          if (tasks.empty()) {
+            return; // retired and done
+          }
           task = std::move(tasks.front());
           tasks.pop_front();
         }
@@ -206,6 +220,12 @@ struct Run {
         stream_guard.reset_stream(*streams[i]);
       }
       fn(i);
+#if defined(__GLIBCXX__)
+    } catch (abi::__forced_unwind&) {
+      // The thread is being ended (pthread_exit, e.g. by Python taking the GIL away from an
+      // abandoned task at interpreter exit): that unwinding must not be stopped.
+      throw;
+#endif
     } catch (...) {
       errors[i] = std::current_exception();
     }

@@ -468,21 +468,25 @@ class GraphedReplicas:
                 with torch.cuda.device(device):
                     side = torch.cuda.Stream()
                     side.wait_stream(torch.cuda.current_stream())
-                    with torch.cuda.stream(side):
-                        out = self._call(module, capture, j)
-                        _check_output(out, j, device)
-                        if grad:
-                            outs = [o for o in tree_flatten(out)[0] if _needs_grad(o)]
-                            wrt = self._wrt(capture, j)
-                            if outs and wrt:
-                                torch.autograd.grad(
-                                    outs,
-                                    wrt,
-                                    grad_outputs=[torch.ones_like(o) for o in outs],
-                                    allow_unused=True,
-                                )
-                        del out
-                    torch.cuda.current_stream().wait_stream(side)
+                    try:
+                        with torch.cuda.stream(side):
+                            out = self._call(module, capture, j)
+                            _check_output(out, j, device)
+                            if grad:
+                                outs = [o for o in tree_flatten(out)[0] if _needs_grad(o)]
+                                wrt = self._wrt(capture, j)
+                                if outs and wrt:
+                                    torch.autograd.grad(
+                                        outs,
+                                        wrt,
+                                        grad_outputs=[torch.ones_like(o) for o in outs],
+                                        allow_unused=True,
+                                    )
+                            del out
+                    finally:
+                        # Also when the forward failed: the caller's restoring copies of the
+                        # buffers must come after the side stream's updates of them.
+                        torch.cuda.current_stream().wait_stream(side)
         for device in set(devices):
             torch.cuda.synchronize(device)
 

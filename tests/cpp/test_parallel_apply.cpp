@@ -4,6 +4,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <filesystem>
 #include <memory>
 #include <thread>
 
@@ -126,47 +127,83 @@ TEST_CASE("parallel_apply rejects mismatched lengths", "[cpu][parallel_apply]") 
       "torchdp::parallel_apply", "2 modules but 1 devices");
 }
 
+namespace {
+
+// Threads of this process (0 where /proc is not available).
+size_t thread_count() {
+  std::error_code error;
+  size_t n = 0;
+  for (std::filesystem::directory_iterator it("/proc/self/task", error), end; !error && it != end;
+       it.increment(error)) {
+    ++n;
+  }
+  return error ? 0 : n;
+}
+
+} // namespace
+
 TEST_CASE("an interrupted wait returns while a task hangs, and its slot gets a new worker",
           "[cpu][parallel_apply]") {
   const auto devices = cpu_devices(3);
   // Owned by the tasks (they may outlive the call).
-  auto release = std::make_shared<std::atomic<bool>>(false);
-  auto late = std::make_shared<std::atomic<bool>>(false);
-  auto hung_thread = std::make_shared<std::thread::id>();
+  struct Hang {
+    std::atomic<bool> started{false};
+    std::atomic<bool> release{false};
+    std::atomic<bool> late{false};
+    std::thread::id thread; // written before `started`, read after it
+  };
+  auto hang = std::make_shared<Hang>();
   std::atomic<int> polls{0};
-  const auto started = std::chrono::steady_clock::now();
+  const auto start = std::chrono::steady_clock::now();
   CHECK_THROWS_AS(torchdp::parallel_run(
                       3, devices,
-                      [release, late, hung_thread](size_t i) {
+                      [hang](size_t i) {
                         if (i == 2) {
-                          *hung_thread = std::this_thread::get_id();
-                          while (!*release) {
+                          hang->thread = std::this_thread::get_id();
+                          hang->started = true;
+                          while (!hang->release) {
                             std::this_thread::sleep_for(std::chrono::milliseconds(1));
                           }
-                          *late = true;
+                          hang->late = true;
                         }
                       },
-                      [&polls] {
-                        return ++polls >= 3;
+                      [&polls, hang] {
+                        // Interrupt only once the task hangs for sure.
+                        return hang->started && ++polls >= 3;
                       },
                       5),
                   torchdp::Interrupted);
   CHECK(polls == 3);
-  CHECK(std::chrono::steady_clock::now() - started < std::chrono::seconds(5));
-  CHECK_FALSE(*late);
-  // The hung task's slot runs the next call on a new thread; the other slot kept its worker.
+  CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(5));
+  CHECK_FALSE(hang->late);
+  REQUIRE(hang->started);
+  // The hung task's slot runs the next call at once on a new thread; the other slot kept its
+  // worker.
   std::vector<std::thread::id> ids(3);
+  const auto next = std::chrono::steady_clock::now();
   torchdp::parallel_run(3, devices, [&](size_t i) {
     ids[i] = std::this_thread::get_id();
   });
-  CHECK(ids[2] != *hung_thread);
-  CHECK(ids[1] != ids[2]);
-  // The abandoned task finishes on its own once released.
-  *release = true;
-  for (int i = 0; i < 5000 && !*late; ++i) {
+  CHECK(std::chrono::steady_clock::now() - next < std::chrono::seconds(5));
+  CHECK(ids[2] != hang->thread);
+  CHECK(ids[2] != ids[1]);
+  CHECK(ids[2] != std::this_thread::get_id());
+  CHECK_FALSE(hang->late);
+  // The abandoned task finishes on its own once released, and its retired worker's thread ends.
+  const auto threads = thread_count();
+  hang->release = true;
+  for (int i = 0; i < 5000 && !hang->late; ++i) {
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
-  CHECK(*late);
+  CHECK(hang->late);
+  if (threads > 0) {
+    size_t now = threads;
+    for (int i = 0; i < 5000 && now >= threads; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      now = thread_count();
+    }
+    CHECK(now == threads - 1);
+  }
 }
 
 TEST_CASE("an interruptible wait that is not interrupted returns results and errors",

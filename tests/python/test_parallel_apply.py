@@ -4,7 +4,10 @@ autocast state in the workers, and PyTorch's "Caught X in replica i on device d"
 from __future__ import annotations
 
 import _thread
+import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -16,6 +19,7 @@ from torch import nn
 import torchdp
 
 CPU = torch.device("cpu")
+_PYTHON_DIR = os.path.dirname(os.path.dirname(torchdp.__file__))
 META = torch.device("meta")
 
 
@@ -238,8 +242,10 @@ class Blocks(nn.Module):
         self.started = threading.Event()
         self.release = threading.Event()
         self.finished = threading.Event()
+        self.thread: int | None = None
 
     def forward(self, x):
+        self.thread = threading.get_ident()
         self.started.set()
         self.release.wait(60)
         self.finished.set()
@@ -277,16 +283,75 @@ def test_ctrl_c_interrupts_a_wait_for_a_hung_replica(delay, sigint_raises):
         assert time.monotonic() - start < 10
         helper.join(10)
         assert not hung.finished.is_set()
-        # The hung replica's worker slot runs the next call on a fresh thread.
+        # The hung replica's worker slot runs the next call on a fresh thread, at once (a call
+        # queued behind the hung replica would wait until it is released).
+        start = time.monotonic()
         outs = torchdp.parallel_apply([Probe(), Probe()], [0, 0], None, cpu_devices(2))
-        assert outs[1]["thread"] != threading.get_ident()
+        assert time.monotonic() - start < 10
+        assert hung.thread is not None
+        assert outs[1]["thread"] not in (threading.get_ident(), hung.thread)
         assert torchdp.parallel_apply([Raises(None)] * 2, [1, 2], None, cpu_devices(2)) == [1, 2]
+        assert not hung.finished.is_set()
     finally:
         hung.release.set()
     # The abandoned replica finishes on its own; its result is dropped.
     assert hung.finished.wait(10)
     outs = torchdp.parallel_apply([Probe(), Probe()], [0, 0], None, cpu_devices(2))
     assert len({o["thread"] for o in outs}) == 2
+
+
+_EXIT_WHILE_A_REPLICA_RUNS = """
+import _thread, signal, sys, threading, time
+import torch
+from torch import nn
+import torchdp
+
+signal.signal(signal.SIGINT, signal.default_int_handler)
+started = threading.Event()
+
+
+class Hangs(nn.Module):
+    def forward(self, x):
+        started.set()
+        while True:
+            {body}
+
+
+def fire():
+    started.wait(10)
+    time.sleep(0.1)
+    _thread.interrupt_main()
+
+
+threading.Thread(target=fire, daemon=True).start()
+try:
+    torchdp.parallel_apply([nn.Identity(), Hangs()], [torch.ones(2)] * 2, None,
+                           [torch.device("cpu")] * 2)
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+    sys.exit(3)
+"""
+
+
+@pytest.mark.parametrize(
+    "body", ["time.sleep(0.001)", "threading.Event().wait(0.001)"], ids=["sleep", "event"]
+)
+def test_exit_after_ctrl_c_while_a_replica_still_runs_is_clean(body):
+    # At exit Python ends a thread that asks for the GIL (pthread_exit); the abandoned replica's
+    # worker must let that unwinding through (no abort, no crash in the GIL guard).
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PYTHON_DIR, env.get("PYTHONPATH")]))
+    for _ in range(3):
+        done = subprocess.run(
+            [sys.executable, "-c", _EXIT_WHILE_A_REPLICA_RUNS.format(body=body)],
+            check=False,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 3, done.stdout + done.stderr
+        assert "interrupted" in done.stdout
 
 
 def test_keyboard_interrupt_in_replica_zero_does_not_wait_for_a_hung_replica(sigint_raises):
