@@ -1,0 +1,190 @@
+"""Probe: how fast can a model's parameters and buffers get from the first GPU to the others?
+
+The transformer's replicate is bounded by its broadcast (340 MB: 1.20 ms in run 4, about 283 GB/s
+over NVLink, which caps replicate at 4.8x of torch's where issue 5 asks for 5x). This probe times
+other transports side by side on the same tensors, each call synchronised on every GPU, fresh
+output buffers per call (as replicate allocates them):
+
+* ``nccl``: torchdp's broadcast (``torchdp._C.broadcast_coalesced``: NCCL, every tensor broadcast
+  from where it lives, one group);
+* ``ce<k>``: copy-engine peer copies (``Tensor.copy_``), tensors dealt round-robin onto k streams
+  of each target GPU;
+* ``ce-flat``: the tensors packed into one flat buffer on the first GPU, one peer copy per target;
+* ``hybrid``: the first half of the bytes over NCCL while the rest goes by copy engine on a side
+  stream.
+
+Each NCCL setting in ``--nccl-env`` (comma-separated; ``default`` or ``VAR=value[+VAR=value]``)
+runs in a child process of its own, since NCCL reads its environment when the communicator is
+made; the copy-engine methods run with the default setting only.
+
+    python benchmarks/probe_broadcast.py [--model transformer] [--device-ids 0,1] [--calls 20]
+        [--methods nccl,ce1,ce4,ce-flat,hybrid] [--nccl-env default,NCCL_MIN_NCHANNELS=32]
+
+Prints one line per method: median and 10th-90th percentile in ms, and GB/s of payload per target.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_replicate
+
+import torchdp
+from torchdp import _C
+
+# Never NVLink multicast (also in the child processes, which inherit this environment).
+SAFE_ENV = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+
+
+def time_calls(
+    fn: Callable[[], object], devices: Sequence[torch.device], calls: int
+) -> list[float]:
+    for _ in range(3):
+        fn()
+    out = []
+    for _ in range(calls):
+        for d in devices:
+            torch.cuda.synchronize(d)
+        start = time.perf_counter()
+        result = fn()
+        for d in devices:
+            torch.cuda.synchronize(d)
+        out.append((time.perf_counter() - start) * 1e3)
+        del result
+    return out
+
+
+def nccl(tensors: list[torch.Tensor], devices: list[torch.device]) -> object:
+    return _C.broadcast_coalesced(tensors, devices, 10 * 1024 * 1024, False)
+
+
+def copy_engine(
+    tensors: list[torch.Tensor], devices: list[torch.device], streams: dict[torch.device, list]
+) -> object:
+    # A copy between GPUs runs on the source device's current stream (ATen's device-to-device
+    # copy), so the k streams per target are streams of the first GPU.
+    outs = []
+    source = torch.cuda.current_stream(devices[0])
+    for d in devices[1:]:
+        pool = streams[d]
+        for s in pool:
+            s.wait_stream(source)
+        copies = []
+        for i, t in enumerate(tensors):
+            c = torch.empty_like(t, device=d)
+            with torch.cuda.stream(pool[i % len(pool)]):
+                c.copy_(t, non_blocking=True)
+            copies.append(c)
+        for s in pool:
+            source.wait_stream(s)
+        outs.append(copies)
+    return outs
+
+
+def copy_flat(tensors: list[torch.Tensor], devices: list[torch.device]) -> object:
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    return [flat.to(d, non_blocking=True) for d in devices[1:]]
+
+
+def hybrid(
+    tensors: list[torch.Tensor], devices: list[torch.device], streams: dict[torch.device, list]
+) -> object:
+    total = sum(t.numel() * t.element_size() for t in tensors)
+    half, running = [], 0
+    for t in tensors:
+        if running >= total / 2:
+            break
+        half.append(t)
+        running += t.numel() * t.element_size()
+    rest = tensors[len(half) :]
+    ce = copy_engine(rest, devices, streams)  # queued first: runs on side streams
+    return nccl(half, devices), ce
+
+
+def child(args: argparse.Namespace) -> None:
+    ids = [int(i) for i in args.device_ids.split(",")]
+    devices = [torch.device("cuda", i) for i in ids]
+    net = bench_replicate.build_model(args.model, False).to(devices[0])
+    tensors = [p.detach() for p in net.parameters()] + [b.detach() for b in net.buffers()]
+    payload = sum(t.numel() * t.element_size() for t in tensors)
+    # Per target: four streams of the first GPU (ce1, ce2 and ce4 take the first k).
+    streams = {d: [torch.cuda.Stream(devices[0]) for _ in range(4)] for d in devices[1:]}
+    methods: dict[str, Callable[[], object]] = {
+        "nccl": lambda: nccl(tensors, devices),
+        "ce1": lambda: copy_engine(tensors, devices, {d: s[:1] for d, s in streams.items()}),
+        "ce2": lambda: copy_engine(tensors, devices, {d: s[:2] for d, s in streams.items()}),
+        "ce4": lambda: copy_engine(tensors, devices, streams),
+        "ce-flat": lambda: copy_flat(tensors, devices),
+        "hybrid": lambda: hybrid(tensors, devices, {d: s[:2] for d, s in streams.items()}),
+    }
+    label = args.nccl_env
+    print(
+        f"{args.model}: {len(tensors)} tensors, {payload / 1e6:.1f} MB, devices {ids}, "
+        f"NCCL env {label}, torchdp NCCL {torchdp.has_nccl()}",
+        flush=True,
+    )
+    for name in args.methods.split(","):
+        if name not in methods:
+            print(f"  {name}: unknown method ({', '.join(methods)})", flush=True)
+            continue
+        if label != "default" and name.startswith("ce"):
+            continue  # copy engines do not read NCCL's environment
+        try:
+            times = sorted(time_calls(methods[name], devices, args.calls))
+        except Exception as e:  # noqa: BLE001 - one failing method does not stop the probe
+            print(f"  {name}: failed: {type(e).__name__}: {e}", flush=True)
+            continue
+        med = statistics.median(times)
+        p10, p90 = times[len(times) // 10], times[(len(times) * 9) // 10]
+        print(
+            f"  {name:8s} median {med:.3f} ms (p10-p90 {p10:.3f}-{p90:.3f}), "
+            f"{payload / med / 1e6:.0f} GB/s per target",
+            flush=True,
+        )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="transformer", choices=bench_replicate.DEFAULT_MODELS)
+    parser.add_argument("--device-ids", default="0,1")
+    parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("--methods", default="nccl,ce1,ce2,ce4,ce-flat,hybrid")
+    parser.add_argument("--nccl-env", default="default,NCCL_MIN_NCHANNELS=32")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("probe_broadcast: needs CUDA devices (--device-ids, default 0,1)", file=sys.stderr)
+        return 1
+    if args.child:
+        child(args)
+        return 0
+    status = 0
+    for setting in args.nccl_env.split(","):
+        env = dict(os.environ, **SAFE_ENV)
+        if setting != "default":
+            for item in setting.split("+"):
+                key, _, value = item.partition("=")
+                env[key] = value
+        cmd = [sys.executable, __file__, "--child", "--model", args.model]
+        cmd += ["--device-ids", args.device_ids, "--calls", str(args.calls)]
+        cmd += ["--methods", args.methods, "--nccl-env", setting]
+        status |= subprocess.run(cmd, env=env, check=False).returncode
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
