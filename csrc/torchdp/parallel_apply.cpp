@@ -70,10 +70,12 @@ class WorkerPool {
     if (slot < workers_.size() && workers_[slot]) {
       Worker* worker = workers_[slot];
       {
+        // Notified under the worker's lock: once it is released, the worker may end and delete
+        // itself.
         std::lock_guard<std::mutex> worker_lock(worker->mutex);
         worker->retired = true;
+        worker->cv.notify_one();
       }
-      worker->cv.notify_one();
       workers_[slot] = nullptr;
     }
   }
