@@ -278,6 +278,13 @@ void init_core(py::module_& m) {
 since the process started (TORCHDP_GRAD_DELIVERY=bucket: AccumulateGrad takes them without reading
 them, and the pass's last bucket waits once for all).)doc");
 
+  m.def("check_environment", wrap_pybind_function_no_gil([](bool bucket_size) {
+          torchdp::autograd::check_environment(bucket_size);
+        }),
+        py::arg("bucket_size"),
+        R"doc(Parses TORCHDP_GRAD_DELIVERY (and TORCHDP_GRAD_BUCKET_MB when ``bucket_size``) now and
+raises RuntimeError for a bad value, as the next differentiable broadcast would.)doc");
+
   m.def("cuda_device_count", wrap_pybind_function_no_gil([]() {
           return torchdp::cuda_device_count();
         }),

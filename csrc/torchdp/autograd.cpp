@@ -885,6 +885,13 @@ int64_t deferred_gradient_sums() {
   return deferred_sums.load(std::memory_order_relaxed);
 }
 
+void check_environment(bool bucket_size) {
+  if (bucket_size) {
+    (void)bucket_size_from_environment();
+  }
+  (void)deliver_per_bucket();
+}
+
 size_t grad_bucket_size() {
   return bucket_size_override ? *bucket_size_override : bucket_size_from_environment();
 }

@@ -50,6 +50,12 @@ class GradBucketSizeGuard {
 /// (TORCHDP_GRAD_DELIVERY=bucket; see Note [Delivering bucket sums directly] in autograd.cpp).
 int64_t deferred_gradient_sums();
 
+/// Parses the environment variables that differentiable broadcasts read (TORCHDP_GRAD_DELIVERY,
+/// and TORCHDP_GRAD_BUCKET_MB when `bucket_size` is true) and throws the errors they would throw,
+/// so that a bad value fails where a DataParallel is made instead of at its first training
+/// forward. They are still read at every broadcast.
+void check_environment(bool bucket_size);
+
 /// Bytes of a bucket size given in MiB (as DDP's bucket_cap_mb), checked: finite and >= 0.
 size_t bucket_bytes_from_mib(double mib, const char* api);
 

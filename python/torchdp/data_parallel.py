@@ -282,6 +282,7 @@ class DataParallel(_TorchDataParallel[T]):
                 devices, device_ids, output_device, "torchdp.DataParallel"
             )
             _check_module(module, "torchdp.DataParallel")
+            _C.check_environment(bucket_cap_mb is None)  # a bad TORCHDP_GRAD_* fails here
             self.dim = dim
             self.module = module
             self.device_ids = device_list
@@ -313,6 +314,7 @@ class DataParallel(_TorchDataParallel[T]):
             output_device = device_ids[0]
 
         _check_module(module, "torchdp.DataParallel")
+        _C.check_environment(bucket_cap_mb is None)
         self.dim = dim
         self.module = module
         self.device_ids = [_get_device_index(x, True) for x in device_ids]

@@ -314,6 +314,18 @@ def test_bad_delivery_is_named(monkeypatch):
         torchdp.replicate(_mlp(), cpu_devices(2))
 
 
+def test_bad_environment_fails_when_the_wrapper_is_made(monkeypatch):
+    monkeypatch.setenv(ENV, "lots")
+    with pytest.raises(RuntimeError, match="TORCHDP_GRAD_BUCKET_MB must be a non-negative number"):
+        torchdp.DataParallel(_mlp(), devices=cpu_devices(2))
+    # An explicit bucket_cap_mb does not read the variable.
+    torchdp.DataParallel(_mlp(), devices=cpu_devices(2), bucket_cap_mb=5)
+    monkeypatch.delenv(ENV)
+    monkeypatch.setenv(DELIVERY, "eager")
+    with pytest.raises(RuntimeError, match="TORCHDP_GRAD_DELIVERY must be 'join'"):
+        torchdp.DataParallel(_mlp(), devices=cpu_devices(2), bucket_cap_mb=5)
+
+
 def _deferred() -> int:
     return torchdp._C.deferred_gradient_sums()
 
