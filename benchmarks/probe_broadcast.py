@@ -11,7 +11,9 @@ output buffers per call (as replicate allocates them):
   of each target GPU;
 * ``ce-flat``: the tensors packed into one flat buffer on the first GPU, one peer copy per target;
 * ``hybrid``: the first half of the bytes over NCCL while the rest goes by copy engine on a side
-  stream.
+  stream;
+* ``peer<k>`` / ``peer-flat<k>``: the driver's ``cuMemcpyAsync`` per tensor on k streams, or the
+  packed buffer cut into k pieces on k streams (no per-copy events: several copy engines at once).
 
 Each NCCL setting in ``--nccl-env`` (comma-separated; ``default`` or ``VAR=value[+VAR=value]``)
 runs in a child process of its own, since NCCL reads its environment when the communicator is
@@ -26,6 +28,7 @@ Prints one line per method: median and 10th-90th percentile in ms, and GB/s of p
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import statistics
 import subprocess
@@ -100,6 +103,56 @@ def copy_flat(tensors: list[torch.Tensor], devices: list[torch.device]) -> objec
     return [flat.to(d, non_blocking=True) for d in devices[1:]]
 
 
+class _Driver:
+    """``cuMemcpyAsync`` of the CUDA driver: with unified addressing a copy between two GPUs' pointers
+    is a peer copy by the copy engines, without the two events per copy that ATen's copy_ adds
+    (which also chain the copies one after the other, whatever their streams)."""
+
+    def __init__(self) -> None:
+        lib = ctypes.CDLL("libcuda.so.1")
+        self._copy = lib.cuMemcpyAsync
+        self._copy.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
+        self._copy.restype = ctypes.c_int
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream) -> None:
+        nbytes = src.numel() * src.element_size()
+        rc = self._copy(dst.data_ptr(), src.data_ptr(), nbytes, stream.cuda_stream)
+        if rc != 0:
+            raise RuntimeError(f"cuMemcpyAsync returned CUresult {rc}")
+
+
+def peer(
+    driver: _Driver,
+    tensors: list[torch.Tensor],
+    devices: list[torch.device],
+    streams: dict[torch.device, list],
+    flat: bool,
+) -> object:
+    # Copies issued on streams of the first GPU (the current device there), each target's current
+    # stream waiting for them at the end. flat: one packed buffer, cut into one piece per stream.
+    outs = []
+    source = torch.cuda.current_stream(devices[0])
+    sources = [torch.cat([t.reshape(-1) for t in tensors])] if flat else tensors
+    for d in devices[1:]:
+        pool = streams[d]
+        target = torch.cuda.current_stream(d)
+        for s in pool:
+            s.wait_stream(source)
+            s.wait_stream(target)
+        copies = [torch.empty_like(t, device=d) for t in sources]
+        with torch.cuda.device(devices[0]):
+            if flat:
+                pieces = list(zip(copies[0].chunk(len(pool)), sources[0].chunk(len(pool))))
+            else:
+                pieces = list(zip(copies, sources))
+            for i, (dst, src) in enumerate(pieces):
+                driver.copy(dst, src, pool[i % len(pool)])
+        for s in pool:
+            target.wait_stream(s)
+        outs.append(copies)
+    return outs
+
+
 def hybrid(
     tensors: list[torch.Tensor], devices: list[torch.device], streams: dict[torch.device, list]
 ) -> object:
@@ -131,6 +184,18 @@ def child(args: argparse.Namespace) -> None:
         "ce-flat": lambda: copy_flat(tensors, devices),
         "hybrid": lambda: hybrid(tensors, devices, {d: s[:2] for d, s in streams.items()}),
     }
+    try:
+        driver = _Driver()
+    except OSError as e:
+        print(f"  (no libcuda for the peer methods: {e})", flush=True)
+    else:
+        # ATen enables peer access between the GPUs on its first copy between them.
+        for d in devices[1:]:
+            torch.ones(1, device=devices[0]).to(d)
+        for k in (1, 2, 4):
+            sub = {d: s[:k] for d, s in streams.items()}
+            methods[f"peer{k}"] = lambda sub=sub: peer(driver, tensors, devices, sub, False)
+            methods[f"peer-flat{k}"] = lambda sub=sub: peer(driver, tensors, devices, sub, True)
     label = args.nccl_env
     print(
         f"{args.model}: {len(tensors)} tensors, {payload / 1e6:.1f} MB, devices {ids}, "
@@ -141,7 +206,7 @@ def child(args: argparse.Namespace) -> None:
         if name not in methods:
             print(f"  {name}: unknown method ({', '.join(methods)})", flush=True)
             continue
-        if label != "default" and name.startswith("ce"):
+        if label != "default" and name != "nccl" and name != "hybrid":
             continue  # copy engines do not read NCCL's environment
         try:
             times = sorted(time_calls(methods[name], devices, args.calls))
@@ -162,7 +227,10 @@ def main() -> int:
     parser.add_argument("--model", default="transformer", choices=bench_replicate.DEFAULT_MODELS)
     parser.add_argument("--device-ids", default="0,1")
     parser.add_argument("--calls", type=int, default=20)
-    parser.add_argument("--methods", default="nccl,ce1,ce2,ce4,ce-flat,hybrid")
+    parser.add_argument(
+        "--methods",
+        default="nccl,ce1,ce4,ce-flat,hybrid,peer1,peer2,peer4,peer-flat1,peer-flat2,peer-flat4",
+    )
     parser.add_argument("--nccl-env", default="default,NCCL_MIN_NCHANNELS=32")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
