@@ -1,5 +1,6 @@
 #include <torchdp/comm.h>
 #include <torchdp/config.h>
+#include <torchdp/cuda/peer_copy.h>
 #include <torchdp/devices.h>
 #if TORCHDP_WITH_NCCL
 #include <torchdp/nccl/nccl_comm.h>
@@ -11,6 +12,7 @@
 #include <c10/util/Exception.h>
 #include <c10/util/irange.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <map>
 #include <string>
@@ -157,6 +159,28 @@ void broadcast_direct(const std::vector<at::Tensor>& inputs, const std::vector<B
 }
 #endif
 
+// Note [Peer-copy broadcast] (cuda/peer_copy.h): one flat buffer per dtype, peer-copied to every
+// target over `streams` streams; the outputs are views of the targets' buffers.
+void broadcast_peer(const std::vector<at::Tensor>& inputs, const std::vector<c10::Device>& devices,
+                    std::vector<std::vector<at::Tensor>>& outputs, int streams) {
+  std::map<at::ScalarType, Bucket> groups;
+  for (const auto i : c10::irange(inputs.size())) {
+    auto& group = groups[inputs[i].scalar_type()];
+    group.indices.push_back(i);
+    group.bytes += static_cast<size_t>(inputs[i].numel()) * inputs[i].element_size();
+  }
+  for (const auto& entry : groups) {
+    const auto& group = entry.second;
+    bool fresh = false;
+    const auto flat = flatten(inputs, group, fresh);
+    for (size_t j = 1; j < devices.size(); ++j) {
+      const auto target = at::empty({flat.numel()}, flat.options().device(devices[j]));
+      detail::peer_copy(flat, target, streams);
+      unflatten_into(target, inputs, group, outputs[j]);
+    }
+  }
+}
+
 // Copies into CUDA memory are queued on the destination's current stream; a copy into host memory
 // must be complete when it returns, since the caller reads it on the CPU.
 bool non_blocking_to(c10::Device device) {
@@ -202,6 +226,16 @@ std::vector<std::vector<at::Tensor>> broadcast_coalesced(at::TensorList tensors,
     outputs[j].resize(inputs.size());
   }
 
+  const int peer_streams = detail::peer_broadcast_streams();
+  if (peer_streams > 0 &&
+      std::all_of(devices.begin(), devices.end(),
+                  [](c10::Device d) {
+                    return d.is_cuda();
+                  }) &&
+      std::all_of(inputs.begin(), inputs.end(), is_plain_dense)) {
+    broadcast_peer(inputs, devices, outputs, peer_streams);
+    return outputs;
+  }
   std::vector<size_t> singles;
   const auto buckets = make_buckets(inputs, buffer_size, singles);
   bool direct = false;

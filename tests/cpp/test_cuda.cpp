@@ -364,3 +364,85 @@ TEST_CASE("CUDA graphs: pending and replayed backward passes", "[cuda]") {
   CHECK(graphed->graph_captures() == captures);
   graphed->forward(x2).sum().backward();
 }
+
+namespace {
+
+// Sets TORCHDP_PEER_BROADCAST for a scope.
+struct PeerBroadcastEnv {
+  explicit PeerBroadcastEnv(const char* streams) {
+    setenv("TORCHDP_PEER_BROADCAST", streams, 1);
+  }
+  ~PeerBroadcastEnv() {
+    unsetenv("TORCHDP_PEER_BROADCAST");
+  }
+  PeerBroadcastEnv(const PeerBroadcastEnv&) = delete;
+  PeerBroadcastEnv& operator=(const PeerBroadcastEnv&) = delete;
+};
+
+// Broadcasts mixed tensors with peer copies over `streams` streams and checks every copy.
+void check_peer_broadcast(const std::vector<torch::Device>& devices, const char* streams) {
+  PeerBroadcastEnv env(streams);
+  const auto d0 = devices[0];
+  std::vector<torch::Tensor> tensors{
+      torch::randn({300, 7}, torch::TensorOptions().device(d0)),
+      torch::arange(5, torch::TensorOptions().dtype(torch::kHalf).device(d0)),
+      torch::arange(3, torch::TensorOptions().dtype(torch::kLong).device(d0)),
+      torch::randn({6, 4}, torch::TensorOptions().device(d0)).t(), // not contiguous
+      torch::empty({0, 3}, torch::TensorOptions().device(d0)),
+      torch::randn({1 << 20}, torch::TensorOptions().device(d0))}; // 4 MiB: cut into pieces
+  const auto out = torchdp::comm::broadcast_coalesced(tensors, devices);
+  REQUIRE(out.size() == devices.size());
+  for (size_t j = 1; j < devices.size(); ++j) {
+    REQUIRE(out[j].size() == tensors.size());
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      INFO("device " << j << ", tensor " << i);
+      CHECK(out[j][i].device() == devices[j]);
+      CHECK(out[j][i].scalar_type() == tensors[i].scalar_type());
+      CHECK(out[j][i].sizes() == tensors[i].sizes());
+      CHECK(out[j][i].is_contiguous());
+      CHECK(torch::equal(out[j][i].cpu(), tensors[i].cpu()));
+    }
+    // One buffer per dtype: the float tensors are views of one storage.
+    CHECK(out[j][0].storage().is_alias_of(out[j][5].storage()));
+  }
+  // The next writes to the sources do not reach the copies (they were taken before).
+  const auto before = out[1][0].cpu();
+  tensors[0].add_(1);
+  CHECK(torch::equal(out[1][0].cpu(), before));
+}
+
+} // namespace
+
+TEST_CASE("CUDA: broadcast by peer copies (TORCHDP_PEER_BROADCAST)", "[cuda]") {
+  TORCHDP_NEED_CUDA(gpus, 1);
+  for (const char* streams : {"1", "2", "4"}) {
+    INFO("streams " << streams);
+    check_peer_broadcast({gpus[0], gpus[0]}, streams);
+  }
+  // Replicas made with it train like the module.
+  PeerBroadcastEnv env("2");
+  torch::manual_seed(33);
+  Mlp model;
+  model->to(gpus[0]);
+  auto replicas = torchdp::replicate(model, {gpus[0], gpus[0]});
+  const auto x = torch::randn({5, 10}).to(gpus[0]);
+  CHECK(torch::allclose(replicas[1]->forward(x), model->forward(x)));
+  // Gradients through the copy reach the module as through the module itself.
+  replicas[1]->forward(x).pow(2).sum().backward();
+  std::vector<torch::Tensor> through_replica;
+  for (auto& p : model->parameters()) {
+    through_replica.push_back(p.grad().clone());
+    p.mutable_grad() = torch::Tensor();
+  }
+  model->forward(x).pow(2).sum().backward();
+  const auto params = model->parameters();
+  for (size_t k = 0; k < params.size(); ++k) {
+    CHECK(torch::allclose(through_replica[k], params[k].grad(), 1e-5, 1e-6));
+  }
+}
+
+TEST_CASE("CUDA: broadcast by peer copies to a second GPU", "[multi-cuda]") {
+  TORCHDP_NEED_CUDA(gpus, 2);
+  check_peer_broadcast(gpus, "1");
+  check_peer_broadcast(gpus, "2");
+}
