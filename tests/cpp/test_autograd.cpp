@@ -509,26 +509,13 @@ TEST_CASE("autograd layer errors name the API", "[cpu][autograd]") {
 
 namespace {
 
-// Sets TORCHDP_GRAD_BUCKET_MB for the scope of a test.
-struct BucketSizeEnv {
-  explicit BucketSizeEnv(const char* mib) {
-    setenv("TORCHDP_GRAD_BUCKET_MB", mib, 1);
-  }
-  ~BucketSizeEnv() {
-    unsetenv("TORCHDP_GRAD_BUCKET_MB");
-  }
+// TORCHDP_GRAD_BUCKET_MB and TORCHDP_GRAD_DELIVERY for the scope of a test.
+struct BucketSizeEnv : torchdp_test::ScopedEnv {
+  explicit BucketSizeEnv(const char* mib)
+      : torchdp_test::ScopedEnv("TORCHDP_GRAD_BUCKET_MB", mib) {}
 };
-
-// Sets TORCHDP_GRAD_DELIVERY for the scope of a test.
-struct DeliveryEnv {
-  explicit DeliveryEnv(const char* mode) {
-    setenv("TORCHDP_GRAD_DELIVERY", mode, 1);
-  }
-  ~DeliveryEnv() {
-    unsetenv("TORCHDP_GRAD_DELIVERY");
-  }
-  DeliveryEnv(const DeliveryEnv&) = delete;
-  DeliveryEnv& operator=(const DeliveryEnv&) = delete;
+struct DeliveryEnv : torchdp_test::ScopedEnv {
+  explicit DeliveryEnv(const char* mode) : torchdp_test::ScopedEnv("TORCHDP_GRAD_DELIVERY", mode) {}
 };
 
 } // namespace

@@ -543,22 +543,14 @@ TEST_CASE("comm::gather errors", "[cpu][comm]") {
 }
 
 TEST_CASE("TORCHDP_PEER_BROADCAST is checked, and CPU broadcasts ignore it", "[cpu][comm]") {
-  struct Env {
-    explicit Env(const char* value) {
-      setenv("TORCHDP_PEER_BROADCAST", value, 1);
-    }
-    ~Env() {
-      unsetenv("TORCHDP_PEER_BROADCAST");
-    }
-  };
   const std::vector<torch::Device> cpus{torch::kCPU, torch::kCPU};
   {
-    Env env("2");
+    torchdp_test::ScopedEnv env("TORCHDP_PEER_BROADCAST", "2");
     const auto out = torchdp::comm::broadcast_coalesced({torch::arange(4.0)}, cpus);
     CHECK(torch::equal(out[1][0], torch::arange(4.0)));
   }
   for (const char* bad : {"many", "9", "-1", "12"}) {
-    Env env(bad);
+    torchdp_test::ScopedEnv env("TORCHDP_PEER_BROADCAST", bad);
     TORCHDP_CHECK_THROWS_WITH(
         torchdp::comm::broadcast_coalesced({torch::ones({2})}, cpus),
         "TORCHDP_PEER_BROADCAST must be a number of streams from 0 (off) to 8",

@@ -70,6 +70,22 @@ std::string error_message(Fn&& fn) {
   return "<no exception>";
 }
 
+/// Sets the environment variable `name` to `value` for a scope (unset afterwards).
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    setenv(name, value, 1);
+  }
+  ~ScopedEnv() {
+    unsetenv(name_);
+  }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  const char* name_;
+};
+
 #define TORCHDP_CHECK_THROWS_WITH(expr, ...)                                 \
   do {                                                                       \
     const std::string _msg = ::torchdp_test::error_message([&] {             \

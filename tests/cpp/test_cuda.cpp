@@ -367,21 +367,9 @@ TEST_CASE("CUDA graphs: pending and replayed backward passes", "[cuda]") {
 
 namespace {
 
-// Sets TORCHDP_PEER_BROADCAST for a scope.
-struct PeerBroadcastEnv {
-  explicit PeerBroadcastEnv(const char* streams) {
-    setenv("TORCHDP_PEER_BROADCAST", streams, 1);
-  }
-  ~PeerBroadcastEnv() {
-    unsetenv("TORCHDP_PEER_BROADCAST");
-  }
-  PeerBroadcastEnv(const PeerBroadcastEnv&) = delete;
-  PeerBroadcastEnv& operator=(const PeerBroadcastEnv&) = delete;
-};
-
 // Broadcasts mixed tensors with peer copies over `streams` streams and checks every copy.
 void check_peer_broadcast(const std::vector<torch::Device>& devices, const char* streams) {
-  PeerBroadcastEnv env(streams);
+  ScopedEnv env("TORCHDP_PEER_BROADCAST", streams);
   const auto d0 = devices[0];
   std::vector<torch::Tensor> tensors{
       torch::randn({300, 7}, torch::TensorOptions().device(d0)),
@@ -420,7 +408,7 @@ TEST_CASE("CUDA: broadcast by peer copies (TORCHDP_PEER_BROADCAST)", "[cuda]") {
     check_peer_broadcast({gpus[0], gpus[0]}, streams);
   }
   // Replicas made with it train like the module.
-  PeerBroadcastEnv env("2");
+  ScopedEnv env("TORCHDP_PEER_BROADCAST", "2");
   torch::manual_seed(33);
   Mlp model;
   model->to(gpus[0]);

@@ -426,24 +426,15 @@ TEST_CASE("DataParallelOptions::bucket_cap_mb sets the gradient buckets", "[cpu]
 
 TEST_CASE("a bad TORCHDP_GRAD_* variable fails when the DataParallel is made",
           "[cpu][data_parallel]") {
-  struct Env {
-    const char* name;
-    Env(const char* name, const char* value) : name(name) {
-      setenv(name, value, 1);
-    }
-    ~Env() {
-      unsetenv(name);
-    }
-  };
   torch::nn::Linear net(4, 2);
   {
-    Env env("TORCHDP_GRAD_BUCKET_MB", "lots");
+    ScopedEnv env("TORCHDP_GRAD_BUCKET_MB", "lots");
     TORCHDP_CHECK_THROWS_WITH(torchdp::DataParallel(net, on(cpu_devices(2))),
                               "TORCHDP_GRAD_BUCKET_MB must be a non-negative number", "'lots'");
     // An explicit bucket_cap_mb does not read it.
     CHECK_NOTHROW(torchdp::DataParallel(net, on(cpu_devices(2)).bucket_cap_mb(5.0)));
   }
-  Env env("TORCHDP_GRAD_DELIVERY", "eager");
+  ScopedEnv env("TORCHDP_GRAD_DELIVERY", "eager");
   TORCHDP_CHECK_THROWS_WITH(torchdp::DataParallel(net, on(cpu_devices(2)).bucket_cap_mb(5.0)),
                             "TORCHDP_GRAD_DELIVERY must be 'join'", "'eager'");
 }
