@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <limits>
 #include <map>
 #include <string>
 #include <numeric>
@@ -163,14 +164,9 @@ void broadcast_direct(const std::vector<at::Tensor>& inputs, const std::vector<B
 // target over `streams` streams; the outputs are views of the targets' buffers.
 void broadcast_peer(const std::vector<at::Tensor>& inputs, const std::vector<c10::Device>& devices,
                     std::vector<std::vector<at::Tensor>>& outputs, int streams) {
-  std::map<at::ScalarType, Bucket> groups;
-  for (const auto i : c10::irange(inputs.size())) {
-    auto& group = groups[inputs[i].scalar_type()];
-    group.indices.push_back(i);
-    group.bytes += static_cast<size_t>(inputs[i].numel()) * inputs[i].element_size();
-  }
-  for (const auto& entry : groups) {
-    const auto& group = entry.second;
+  // make_buckets with no size limit: one bucket per dtype (the caller sends only dense tensors).
+  std::vector<size_t> singles;
+  for (const auto& group : make_buckets(inputs, std::numeric_limits<size_t>::max(), singles)) {
     bool fresh = false;
     const auto flat = flatten(inputs, group, fresh);
     for (size_t j = 1; j < devices.size(); ++j) {

@@ -257,13 +257,17 @@ struct Run {
   Latch latch;
 };
 
+bool inline_run(size_t n) {
+  return n <= 1 || in_worker;
+}
+
 // Runs task 0 on the calling thread and the others on the pool; returns without waiting.
 std::shared_ptr<Run> start(size_t n, const std::vector<c10::Device>& devices,
                            const std::function<void(size_t)>& fn) {
   TORCH_CHECK(devices.size() >= n, "torchdp::parallel_run: ", n, " tasks but only ", devices.size(),
               " devices; pass one device per task");
   auto run = std::make_shared<Run>(n, devices, fn);
-  if (n <= 1 || in_worker) {
+  if (inline_run(n)) {
     for (size_t i = 0; i < n; ++i) {
       run->run_one(i);
     }
@@ -278,10 +282,6 @@ std::shared_ptr<Run> start(size_t n, const std::vector<c10::Device>& devices,
   }
   run->run_one(0);
   return run;
-}
-
-bool inline_run(size_t n) {
-  return n <= 1 || in_worker;
 }
 
 } // namespace
