@@ -77,6 +77,10 @@ for step in "${steps[@]}"; do
       run bench 240 make bench JOBS="$jobs" \
         BENCH_ARGS="--out-dir $logs/results --name $name" \
         PROFILE_ARGS="--out $logs/results/$name-profile-step.json --trace $logs/results/traces"
+      # The targets judged on this run's two-GPU records, into the summary that comes back.
+      if [ -f "$logs/results/$name.json" ]; then
+        python benchmarks/targets.py "$logs/results/$name.json" >>"$summary" 2>&1 || true
+      fi
       ;;
     probe)
       run probe 60 env PYTHONPATH=python python benchmarks/probe_cuda_graphs.py --device-ids "$ids"

@@ -8,8 +8,8 @@ RESULTS.json is a merged results file (``{"machine": ..., "records": [...]}``, s
 further files are merged into it (their records appended, their machine blocks shown as extra
 machine entries, e.g. the C++ benchmark's). Writes:
 
-* OUT.md: the machine block and the tables that have records (train steps, memory, replicate,
-  replicate curve, C++), then the configurations that failed or were skipped, with their message;
+* OUT.md: the machine block, the targets judged on the two-GPU records (targets.py), the tables
+  that have records (train steps, memory, replicate, replicate curve, C++), then the configurations that failed or were skipped, with their message;
 * OUT_PREFIX-speedup.png: speedup over one GPU per model/dtype (grouped bars, one per mode, the C++
   models included), dashed lines at 1.0 and at the GPU count;
 * OUT_PREFIX-replicate.png: replicate time vs module count (log-log, one line per mode).
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 from collections import OrderedDict
@@ -32,6 +31,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
+import targets
+from targets import num
 
 Record = dict[str, Any]
 
@@ -101,16 +102,6 @@ def load_results(
 
 
 # ---- formatting ---------------------------------------------------------------------------------
-
-
-def num(v: Any) -> float | None:
-    if isinstance(v, bool) or v is None:
-        return None
-    try:
-        f = float(v)
-    except (TypeError, ValueError):
-        return None
-    return f if math.isfinite(f) else None
 
 
 def fmt_ms(v: Any) -> str:
@@ -862,6 +853,7 @@ def render(paths: list[str], md_path: str, plot_prefix: str | None) -> str:
         ]
     lines += [f"Source: {', '.join(f'`{p}`' for p in paths)}; {len(records)} records.", ""]
     lines += machine_section(machine, extra)
+    lines += targets.section(records)
     for section in (train_section, memory_section, replicate_section, cpp_section):
         lines += section(records)
     if plots:

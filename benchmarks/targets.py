@@ -1,0 +1,382 @@
+"""The performance targets of the two-GPU benchmark run, judged from a results file.
+
+Usage::
+
+    python benchmarks/targets.py RESULTS.json [MORE.json ...]
+
+prints a Markdown table: each target, what the run measured, and a verdict ("met", "met with
+<option>" when only an opt-in mode reaches it, "not met", or "not measured" when the run has no
+record for it). `report.py` puts the same table into every report that has two-GPU records.
+
+The targets are the project's for `make bench` on two GPUs (README, "Performance"): only records
+with gpus == 2 (and the one-GPU baselines) are read, so a file that merges 2-, 4- and 8-GPU runs
+is judged on its two-GPU records. Failed or skipped configurations count as not measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+Record = dict[str, Any]
+
+GPUS = 2
+MET, NOT_MET, NOT_MEASURED = "met", "not met", "not measured"
+# Opt-in torchdp modes of the training-step benchmark, with the option each one stands for.
+OPTION_MODES = {
+    "torchdp_bucket_grads": "TORCHDP_GRAD_DELIVERY=bucket",
+    "torchdp_graphs": "cuda_graphs=True",
+}
+# A replicate curve counts as linear when a straight line explains this much of its variance.
+LINEAR_R2 = 0.98
+
+
+@dataclass
+class Verdict:
+    figure: str
+    target: str
+    measured: str
+    verdict: str
+
+
+def num(v: Any) -> float | None:
+    if isinstance(v, bool) or v is None:
+        return None
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return None
+    return f if math.isfinite(f) else None
+
+
+def _x(v: float | None) -> str:
+    return "—" if v is None else f"{v:.2f}x"
+
+
+def _usable(r: Record) -> bool:
+    return not r.get("error") and not r.get("skipped")
+
+
+class Run:
+    """Lookups over one run's usable records."""
+
+    def __init__(self, records: Iterable[Record]):
+        self.records = [r for r in records if isinstance(r, dict) and _usable(r)]
+
+    def find(self, bench: str, model: str, mode: str, gpus: int, dtype: str | None = None):
+        for r in self.records:
+            if (
+                r.get("bench") == bench
+                and r.get("model") == model
+                and r.get("mode") == mode
+                and num(r.get("gpus")) == gpus
+                and (dtype is None or r.get("dtype") == dtype)
+            ):
+                return r
+        return None
+
+    def speedup(self, bench: str, model: str, mode: str, dtype: str | None = None):
+        """Speedup over the one-GPU run of the same model: the record's own figure, or the ratio
+        of the medians."""
+        r = self.find(bench, model, mode, GPUS, dtype)
+        if r is None:
+            return None
+        s = num(r.get("speedup_vs_single"))
+        if s is not None:
+            return s
+        single = self.find(bench, model, "single", 1, dtype)
+        t, t1 = num(r.get("step_ms_median")), num((single or {}).get("step_ms_median"))
+        return t1 / t if t and t1 else None
+
+    def ratio(self, bench: str, model: str, mode: str, base_mode: str, field: str, time_key: str):
+        """How many times faster `mode` is than `base_mode` (both on two GPUs): the record's own
+        `field`, or the ratio of the medians."""
+        r = self.find(bench, model, mode, GPUS)
+        if r is None:
+            return None
+        s = num(r.get(field))
+        if s is None:
+            base = self.find(bench, model, base_mode, GPUS)
+            a, b = num((base or {}).get(time_key)), num(r.get(time_key))
+            s = a / b if a and b else None
+        return s
+
+    def has_bench(self, bench: str) -> bool:
+        return any(r.get("bench") == bench and num(r.get("gpus")) == GPUS for r in self.records)
+
+
+def _verdict(default_ok: bool | None, options_ok: list[str]) -> str:
+    if default_ok is None:
+        return NOT_MEASURED
+    if default_ok:
+        return MET
+    if options_ok:
+        return "met with " + ", ".join(options_ok)
+    return NOT_MET
+
+
+def _train_target(run: Run, model: str, label: str, goal: float, vs_ddp: bool) -> Verdict:
+    target = f">= {goal:.2f}x" + (", and >= DDP's in the same run" if vs_ddp else "")
+    figure = f"torchdp.DataParallel speedup over one GPU, {label}"
+    bench, dtype = "train_step", "fp32"
+    ddp = run.speedup(bench, model, "ddp", dtype) if vs_ddp else None
+
+    def ok(s: float | None) -> bool | None:
+        if s is None:
+            return None
+        return s >= goal and (not vs_ddp or ddp is None or s >= ddp)
+
+    s = run.speedup(bench, model, "torchdp", dtype)
+    parts = [f"torchdp {_x(s)}"]
+    options_ok = []
+    for mode, option in OPTION_MODES.items():
+        so = run.speedup(bench, model, mode, dtype)
+        if so is None:
+            continue
+        parts.append(f"{option} {_x(so)}")
+        if ok(so):
+            options_ok.append(option)
+    if model == "mlp200":
+        graphed = run.find(bench, model, "torchdp_graphs", GPUS, dtype)
+        single_graphs = run.find(bench, model, "single_graphs", 1, dtype)
+        tg = num((graphed or {}).get("step_ms_median"))
+        t1g = num((single_graphs or {}).get("step_ms_median"))
+        if tg and t1g:
+            parts.append(f"graphs vs one GPU graphed {_x(t1g / tg)}")
+    if vs_ddp:
+        parts.append(f"DDP {_x(ddp)}")
+        if ddp is None and s is not None:
+            return Verdict(figure, target, "; ".join(parts) + " (no DDP record)", NOT_MEASURED)
+    return Verdict(figure, target, "; ".join(parts), _verdict(ok(s), options_ok))
+
+
+def _replicate_speedup(run: Run, model: str, mode: str) -> float | None:
+    return run.ratio(
+        "replicate", model, mode, "torch_replicate", "speedup_vs_torch", "replicate_ms_median"
+    )
+
+
+def _replicate_target(run: Run) -> Verdict:
+    figure = "torchdp.replicate vs torch.nn.parallel.replicate, each model"
+    models = []
+    for r in run.records:
+        in_run = r.get("bench") == "replicate" and num(r.get("gpus")) == GPUS
+        if in_run and r.get("model") not in models:
+            models.append(r.get("model"))
+    parts, default_ok, peer_ok = [], True, True
+    for model in models:
+        s = _replicate_speedup(run, model, "torchdp_replicate")
+        peer = _replicate_speedup(run, model, "torchdp_replicate_peer")
+        bound = num(
+            (run.find("replicate", model, "torchdp_replicate", GPUS) or {}).get("bound_vs_torch")
+        )
+        text = f"{model} {_x(s)}"
+        if peer is not None:
+            text += f" (peer copies {_x(peer)})"
+        if bound is not None and s is not None and s < 5.0:
+            text += f", broadcast alone bounds it at {_x(bound)}"
+        parts.append(text)
+        default_ok = default_ok and s is not None and s >= 5.0
+        peer_ok = peer_ok and ((s is not None and s >= 5.0) or (peer is not None and peer >= 5.0))
+    if not models:
+        return Verdict(figure, ">= 5x", "—", NOT_MEASURED)
+    options = [] if default_ok or not peer_ok else ["TORCHDP_PEER_BROADCAST"]
+    return Verdict(figure, ">= 5x", "; ".join(parts), _verdict(default_ok, options))
+
+
+def linear_fit(points: list[tuple[float, float]]) -> tuple[float, float, float]:
+    """(slope, intercept, R²) of the least-squares line through (x, y) points."""
+    n = len(points)
+    mx = sum(x for x, _ in points) / n
+    my = sum(y for _, y in points) / n
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    sxy = sum((x - mx) * (y - my) for x, y in points)
+    syy = sum((y - my) ** 2 for _, y in points)
+    slope = sxy / sxx if sxx else 0.0
+    intercept = my - slope * mx
+    r2 = (sxy * sxy) / (sxx * syy) if sxx and syy else 1.0
+    return slope, intercept, r2
+
+
+def _slope_target(run: Run) -> Verdict:
+    figure = "replicate time growth over module count"
+    target = "linear, and the smallest slope of the modes"
+    curves: dict[str, list[tuple[float, float]]] = {}
+    for r in run.records:
+        if r.get("bench") != "replicate_curve" or num(r.get("gpus")) != GPUS:
+            continue
+        m, t = num(r.get("modules")), num(r.get("replicate_ms_median"))
+        if m and t is not None:
+            curves.setdefault(str(r.get("mode")), []).append((m, t))
+    fits = {mode: linear_fit(pts) for mode, pts in curves.items() if len({x for x, _ in pts}) >= 3}
+    if "torchdp_replicate" not in fits:
+        return Verdict(figure, target, "—", NOT_MEASURED)
+    parts = [
+        f"{mode} {1e3 * slope:.1f} µs/module (R² {r2:.3f})"
+        for mode, (slope, _, r2) in sorted(fits.items(), key=lambda kv: kv[1][0])
+    ]
+    slope, _, r2 = fits["torchdp_replicate"]
+    ok = r2 >= LINEAR_R2 and all(slope <= s for s, _, _ in fits.values())
+    return Verdict(figure, target, "; ".join(parts), MET if ok else NOT_MET)
+
+
+def _cpp_vs_libtorch_target(run: Run) -> Verdict:
+    figure = "C++ torchdp::DataParallel vs LibTorch data_parallel, both C++ models"
+    models = []
+    for r in run.records:
+        baseline = r.get("bench") == "cpp_train_step" and r.get("mode") == "libtorch_dp"
+        if baseline and num(r.get("gpus")) == GPUS and r.get("model") not in models:
+            models.append(r.get("model"))
+    if not models:
+        return Verdict(figure, ">= 10x", "—", NOT_MEASURED)
+
+    def vs(model: str, mode: str) -> float | None:
+        return run.ratio(
+            "cpp_train_step", model, mode, "libtorch_dp", "speedup_vs_libtorch", "step_ms_median"
+        )
+
+    parts, default_ok, graphs_ok, any_graphs = [], True, True, False
+    for model in models:
+        s, g = vs(model, "torchdp"), vs(model, "torchdp_graphs")
+        any_graphs = any_graphs or g is not None
+        parts.append(f"{model} {_x(s)}" + (f" (cuda_graphs {_x(g)})" if g is not None else ""))
+        default_ok = default_ok and s is not None and s >= 10.0
+        graphs_ok = graphs_ok and ((s is not None and s >= 10.0) or (g is not None and g >= 10.0))
+    options = ["cuda_graphs"] if any_graphs and graphs_ok and not default_ok else []
+    return Verdict(figure, ">= 10x", "; ".join(parts), _verdict(default_ok, options))
+
+
+def _cpp_conv_target(run: Run) -> Verdict:
+    figure = "C++ torchdp::DataParallel speedup over one GPU, conv net"
+    s = run.speedup("cpp_train_step", "cpp_convnet", "torchdp")
+    return Verdict(
+        figure, ">= 1.70x", f"torchdp {_x(s)}", _verdict(None if s is None else s >= 1.7, [])
+    )
+
+
+def _mem_ratio(r: Record | None) -> float | None:
+    if r is None:
+        return None
+    ratio = num(r.get("mem_ratio_gpu0_gpu1"))
+    peaks = r.get("peak_mem_gib")
+    if ratio is None and isinstance(peaks, list) and len(peaks) >= 2:
+        a, b = num(peaks[0]), num(peaks[1])
+        ratio = a / b if a is not None and b else None
+    return ratio
+
+
+def _memory_target(run: Run) -> Verdict:
+    figure = "peak memory GPU 0 / GPU 1, 50k-vocab LM, loss per replica"
+    balanced = _mem_ratio(run.find("memory", "lm50k", "torchdp_balanced", GPUS))
+    stock = _mem_ratio(run.find("memory", "lm50k", "torch_dp", GPUS))
+    measured = f"torchdp balanced {balanced:.2f}" if balanced is not None else "—"
+    if stock is not None:
+        measured += f"; nn.DataParallel {stock:.2f}"
+    return Verdict(
+        figure, "<= 1.2", measured, _verdict(None if balanced is None else balanced <= 1.2, [])
+    )
+
+
+def _grads_target(run: Run) -> Verdict:
+    figure = "gradients after one step, torchdp vs torch.nn.DataParallel"
+    checked = [
+        r
+        for r in run.records
+        if r.get("bench") == "train_step"
+        and num(r.get("gpus")) == GPUS
+        and isinstance(r.get("grads_match_torch_dp"), bool)
+    ]
+    fp32 = [r for r in checked if r.get("dtype") == "fp32"]
+    if not fp32:
+        return Verdict(figure, "equal (fp32)", "—", NOT_MEASURED)
+    bad = [f"{r.get('model')}/{r.get('mode')}" for r in fp32 if not r["grads_match_torch_dp"]]
+    worst = max((num(r.get("grads_max_abs_diff")) or 0.0) for r in fp32)
+    measured = f"fp32: {len(fp32) - len(bad)} of {len(fp32)} match, max abs diff {worst:.1e}"
+    if bad:
+        measured += " (differ: " + ", ".join(bad) + ")"
+    other = [r for r in checked if r.get("dtype") != "fp32"]
+    if other:
+        n = sum(1 for r in other if r["grads_match_torch_dp"])
+        measured += (
+            f"; low precision (not judged: nn.DataParallel's replicas may run float16 under "
+            f"bf16 autocast): {n} of {len(other)} within the loose check"
+        )
+    return Verdict(figure, "equal (fp32)", measured, MET if not bad else NOT_MET)
+
+
+TARGETS: list[Callable[[Run], Verdict]] = [
+    lambda run: _train_target(run, "resnet50", "ResNet-50 fp32", 1.85, True),
+    lambda run: _train_target(run, "transformer", "TransformerEncoder fp32", 1.80, True),
+    lambda run: _train_target(run, "mlp200", "200-layer MLP fp32", 1.0, False),
+    _replicate_target,
+    _slope_target,
+    _cpp_vs_libtorch_target,
+    _cpp_conv_target,
+    _memory_target,
+    _grads_target,
+]
+
+
+def judge(records: Iterable[Record]) -> list[Verdict]:
+    run = Run(records)
+    return [target(run) for target in TARGETS]
+
+
+def has_two_gpu_records(records: Iterable[Record]) -> bool:
+    return any(isinstance(r, dict) and num(r.get("gpus")) == GPUS for r in records)
+
+
+def section(records: list[Record]) -> list[str]:
+    """The report's "Targets" section; empty when the run has no two-GPU records."""
+    if not has_two_gpu_records(records):
+        return []
+    verdicts = judge(records)
+    met = sum(1 for v in verdicts if v.verdict == MET)
+    lines = [
+        "## Targets (two GPUs)",
+        "",
+        (
+            f"The project's targets for this run's two-GPU records: {met} of {len(verdicts)} met "
+            'by the default modes. "met with X": only the opt-in X reaches it. Computed by '
+            "`benchmarks/targets.py`."
+        ),
+        "",
+        "| figure | target | measured | verdict |",
+        "|---|---|---|---|",
+    ]
+    for v in verdicts:
+        cells = [
+            v.figure,
+            v.target,
+            v.measured,
+            f"**{v.verdict}**" if v.verdict == MET else v.verdict,
+        ]
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return lines + [""]
+
+
+def main(argv: list[str] | None = None) -> int:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import report
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("results", nargs="+", help="results JSON file(s), merged")
+    args = parser.parse_args(argv)
+    _, _, records, warnings = report.load_results(args.results)
+    for w in warnings:
+        print(f"warning: {w}", file=sys.stderr)
+    lines = section(records)
+    if not lines:
+        print("no two-GPU records: the targets are not judged", file=sys.stderr)
+        return 1
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,199 @@
+"""benchmarks/targets.py: the two-GPU targets judged from a results file (a committed two-GPU run
+and synthetic records for each verdict)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import report
+import targets
+
+RUN4 = REPO / "benchmarks" / "results" / "2026-12-01-2xH200-run4.json"
+
+
+def verdict_of(verdicts, needle):
+    hits = [v for v in verdicts if needle in v.figure]
+    assert len(hits) == 1, (needle, [v.figure for v in verdicts])
+    return hits[0]
+
+
+def train(model, mode, gpus, ms, dtype="fp32", **extra):
+    return {
+        "bench": "train_step",
+        "model": model,
+        "mode": mode,
+        "gpus": gpus,
+        "dtype": dtype,
+        "step_ms_median": ms,
+        **extra,
+    }
+
+
+def replicate(model, mode, ms, bench="replicate", modules=None, **extra):
+    r = {"bench": bench, "model": model, "mode": mode, "gpus": 2, "dtype": "fp32"}
+    r["replicate_ms_median"] = ms
+    if modules is not None:
+        r["modules"] = modules
+    return {**r, **extra}
+
+
+def test_committed_two_gpu_run_is_judged_as_its_notes_say():
+    _, _, records, warnings = report.load_results([str(RUN4)])
+    assert not warnings
+    vs = targets.judge(records)
+    assert len(vs) == len(targets.TARGETS)
+    resnet = verdict_of(vs, "ResNet-50")
+    assert resnet.verdict == targets.NOT_MET
+    assert "torchdp 1.75x" in resnet.measured and "DDP 1.82x" in resnet.measured
+    assert verdict_of(vs, "TransformerEncoder").verdict == targets.NOT_MET
+    assert "torchdp 0.69x" in verdict_of(vs, "MLP").measured
+    rep = verdict_of(vs, "torchdp.replicate")
+    assert rep.verdict == targets.NOT_MET and "transformer 4.37x" in rep.measured
+    assert "bounds it at 4.83x" in rep.measured
+    assert verdict_of(vs, "module count").verdict == targets.MET
+    cpp = verdict_of(vs, "LibTorch data_parallel")
+    assert cpp.verdict == targets.NOT_MET and "cpp_mlp200 6.56x" in cpp.measured
+    assert verdict_of(vs, "conv net").verdict == targets.MET
+    mem = verdict_of(vs, "peak memory")
+    assert mem.verdict == targets.MET and "balanced 1.03" in mem.measured
+    assert "nn.DataParallel 2.57" in mem.measured
+    grads = verdict_of(vs, "gradients")
+    assert grads.verdict == targets.MET and "3 of 3 match" in grads.measured
+
+
+def test_report_has_the_targets_section_only_with_two_gpu_records(tmp_path):
+    text = report.render([str(RUN4)], str(tmp_path / "r.md"), None)
+    assert "## Targets (two GPUs)" in text
+    assert "4 of 9 met" in text
+    smoke = {
+        "machine": {"smoke": True},
+        "records": [train("mlp", "single", 0, 3.0), train("mlp", "torchdp", 0, 4.0)],
+    }
+    path = tmp_path / "smoke.json"
+    path.write_text(json.dumps(smoke))
+    assert "## Targets" not in report.render([str(path)], str(tmp_path / "s.md"), None)
+    assert targets.main([str(path)]) == 1
+
+
+def test_training_targets_default_option_and_missing():
+    records = [
+        train("resnet50", "single", 1, 100.0),
+        train("resnet50", "torchdp", 2, 52.0),  # 1.92x
+        train("resnet50", "ddp", 2, 53.0),  # 1.89x
+        train("transformer", "single", 1, 100.0),
+        train("transformer", "torchdp", 2, 54.0),  # 1.85x, but DDP is faster
+        train("transformer", "ddp", 2, 53.0),
+        train("mlp200", "single", 1, 30.0),
+        train("mlp200", "torchdp", 2, 45.0),
+        train("mlp200", "torchdp_graphs", 2, 20.0),
+        train("mlp200", "single_graphs", 1, 10.0),
+    ]
+    vs = targets.judge(records)
+    assert verdict_of(vs, "ResNet-50").verdict == targets.MET
+    assert verdict_of(vs, "TransformerEncoder").verdict == targets.NOT_MET
+    mlp = verdict_of(vs, "MLP")
+    assert mlp.verdict == "met with cuda_graphs=True"
+    assert "cuda_graphs=True 1.50x" in mlp.measured
+    assert "graphs vs one GPU graphed 0.50x" in mlp.measured
+    # Nothing recorded for the C++ benchmark, replicate or memory: not measured, not met.
+    for needle in ("LibTorch", "conv net", "torchdp.replicate", "module count", "peak memory"):
+        assert verdict_of(vs, needle).verdict == targets.NOT_MEASURED
+
+
+def test_failed_records_and_missing_ddp_are_not_measured():
+    records = [
+        train("resnet50", "single", 1, 100.0),
+        train("resnet50", "torchdp", 2, 50.0),
+        train("transformer", "single", 1, 100.0),
+        train("transformer", "torchdp", 2, 50.0, error="CUDA out of memory"),
+        train("transformer", "ddp", 2, 60.0),
+    ]
+    vs = targets.judge(records)
+    resnet = verdict_of(vs, "ResNet-50")
+    assert resnet.verdict == targets.NOT_MEASURED and "no DDP record" in resnet.measured
+    assert verdict_of(vs, "TransformerEncoder").verdict == targets.NOT_MEASURED
+
+
+def test_speedup_is_computed_from_the_medians_when_the_record_lacks_it():
+    records = [train("mlp200", "single", 1, 30.0), train("mlp200", "torchdp", 2, 25.0)]
+    assert verdict_of(targets.judge(records), "MLP").verdict == targets.MET
+    # The record's own figure wins over the medians.
+    records[1]["speedup_vs_single"] = 0.9
+    assert verdict_of(targets.judge(records), "MLP").verdict == targets.NOT_MET
+
+
+def test_replicate_target_with_the_peer_broadcast():
+    records = [
+        replicate("a", "torch_replicate", 10.0),
+        replicate("a", "torchdp_replicate", 1.0),
+        replicate("b", "torch_replicate", 6.0),
+        replicate("b", "torchdp_replicate", 1.5, bound_vs_torch=4.8),
+    ]
+    v = verdict_of(targets.judge(records), "torchdp.replicate")
+    assert v.verdict == targets.NOT_MET and "a 10.00x" in v.measured and "b 4.00x" in v.measured
+    records.append(replicate("b", "torchdp_replicate_peer", 1.0))
+    v = verdict_of(targets.judge(records), "torchdp.replicate")
+    assert v.verdict == "met with TORCHDP_PEER_BROADCAST" and "peer copies 6.00x" in v.measured
+
+
+@pytest.mark.parametrize(
+    "torchdp_ms, verdict",
+    [
+        (lambda m: 0.1 + 0.01 * m, targets.MET),  # linear, the smaller slope
+        (lambda m: 0.1 + 0.08 * m, targets.NOT_MET),  # linear, but steeper than torch's
+        (lambda m: 1e-5 * m * m, targets.NOT_MET),  # quadratic
+    ],
+)
+def test_replicate_curve_target(torchdp_ms, verdict):
+    records = []
+    for m in (11, 31, 101, 301, 1001, 2001):
+        records.append(replicate(f"seq{m}", "torch_replicate", 0.05 * m, "replicate_curve", m))
+        records.append(
+            replicate(f"seq{m}", "torchdp_replicate", torchdp_ms(m), "replicate_curve", m)
+        )
+    assert verdict_of(targets.judge(records), "module count").verdict == verdict
+
+
+def test_linear_fit():
+    slope, intercept, r2 = targets.linear_fit([(1, 3.0), (2, 5.0), (4, 9.0)])
+    assert slope == pytest.approx(2.0) and intercept == pytest.approx(1.0)
+    assert r2 == pytest.approx(1.0)
+    _, _, r2 = targets.linear_fit([(1, 1.0), (2, 3.0), (3, 1.0), (4, 3.0)])
+    assert r2 < 0.5
+
+
+def test_cpp_targets():
+    def cpp(model, mode, gpus, ms, **extra):
+        return {
+            "bench": "cpp_train_step",
+            "model": model,
+            "mode": mode,
+            "gpus": gpus,
+            "dtype": "fp32",
+            "step_ms_median": ms,
+            **extra,
+        }
+
+    records = [
+        cpp("cpp_mlp200", "single", 1, 30.0),
+        cpp("cpp_mlp200", "libtorch_dp", 2, 300.0),
+        cpp("cpp_mlp200", "torchdp", 2, 40.0),  # 7.5x
+        cpp("cpp_mlp200", "torchdp_graphs", 2, 12.0),  # 25x
+        cpp("cpp_convnet", "single", 1, 40.0),
+        cpp("cpp_convnet", "libtorch_dp", 2, 30.0),
+        cpp("cpp_convnet", "torchdp", 2, 22.0),  # 1.36x vs LibTorch, 1.82x vs one GPU
+    ]
+    vs = targets.judge(records)
+    v = verdict_of(vs, "LibTorch")
+    assert v.verdict == targets.NOT_MET
+    assert "cpp_mlp200 7.50x (cuda_graphs 25.00x)" in v.measured
+    assert verdict_of(vs, "conv net").verdict == targets.MET
+    records[-1]["step_ms_median"] = 2.5  # 12x vs LibTorch
+    assert verdict_of(targets.judge(records), "LibTorch").verdict == "met with cuda_graphs"
