@@ -5,7 +5,11 @@ Modes: ``single``, ``torch_dp``, ``torchdp``, ``torchdp_serial`` (``torchdp.Data
 ``TORCHDP_GRAD_DELIVERY=bucket``: each gradient bucket's sums reach the parameters during the
 backward pass), ``torchdp_graphs`` (``torchdp.DataParallel(cuda_graphs=True)``: persistent replicas
 replayed as CUDA graphs) with its one-GPU baseline ``single_graphs`` (the same on the first GPU
-alone; not in smoke runs) and ``ddp``.
+alone; not in smoke runs), ``ddp``, and ``single_shard``: the plain model on the first GPU with one
+replica's share of the batch (batch / g for each GPU count g, or the counts of ``--shards``). Its
+``ideal_speedup_vs_single`` = one-GPU time / its time is what a g-GPU run would reach with perfect
+overlap and no communication at all: the bound of every data-parallel mode at that batch size
+(a GPU is less efficient on smaller batches), measurable on a one-GPU machine.
 
 One step is ``optimizer.zero_grad(set_to_none=True)``, forward, loss, backward, SGD step, for
 
@@ -75,6 +79,7 @@ DTYPES = ("fp32", "bf16")
 MODES = (
     "single",
     "single_graphs",
+    "single_shard",
     "torch_dp",
     "torchdp",
     "torchdp_serial",
@@ -85,6 +90,8 @@ MODES = (
 # torchdp.DataParallel(cuda_graphs=True): over the GPUs, and over the first GPU alone (the one-GPU
 # baseline with the same CUDA graphs). CUDA only, so not in smoke runs.
 GRAPH_MODES = ("single_graphs", "torchdp_graphs")
+# Modes that run on the first GPU alone (their records carry gpus = 1).
+ONE_GPU_MODES = ("single", "single_graphs", "single_shard")
 # Environment of the in-process modes that differ from torchdp's defaults only there.
 MODE_ENVIRONMENT = {"torchdp_bucket_grads": {"TORCHDP_GRAD_DELIVERY": "bucket"}}
 
@@ -773,6 +780,14 @@ def run_local_mode(
         wrapped = torchdp.DataParallel(model, devices=[dev0], cuda_graphs=True)
         devices = [dev0]
         note = "torchdp.DataParallel(cuda_graphs=True) on the first GPU alone"
+    elif mode == "single_shard":
+        # One replica's share of the batch (gpus = the count it is the share of), on one GPU.
+        share = x.shape[0] // gpus
+        x = x[:share]
+        target = target[:share] if target is not None else None
+        wrapped = model
+        devices = [dev0]
+        note = f"the plain model on the first GPU with batch / {gpus} (one replica's share)"
     else:
         wrapped, note = wrap_data_parallel(mode, model, smoke, gpus)
         devices = mode_devices(smoke, gpus)
@@ -806,6 +821,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--modes", default=None, help=f"comma list of {','.join(MODES)}")
     common.add_timing_args(parser, warmup=(3, 1), steps=(10, 2), budget=(200.0, 55.0))
     parser.add_argument(
+        "--shards",
+        default=None,
+        help="comma list of GPU counts g for single_shard (batch / g on one GPU; default: the "
+        "GPU counts compared, so on a one-GPU machine give e.g. --shards 2)",
+    )
+    parser.add_argument(
         "--no-grad-check",
         action="store_true",
         help="skip the torchdp vs torch.nn.DataParallel gradient check",
@@ -820,6 +841,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     if smoke and args.modes is None:
         modes = [m for m in modes if m not in GRAPH_MODES]
     deadline, multi, dev0 = run.deadline, run.multi, run.dev0
+    shards = multi
+    if args.shards:
+        try:
+            shards = sorted({int(v) for v in args.shards.split(",") if v.strip()})
+        except ValueError:
+            sys.exit(f"--shards takes comma-separated GPU counts, got {args.shards!r}")
+        if any(g < 2 for g in shards):
+            sys.exit(f"--shards counts must be >= 2 (batch / g on one GPU), got {args.shards!r}")
+
+    def counts_of(mode: str) -> list[int]:
+        """The GPU counts a mode runs for (one record each)."""
+        if mode == "single_shard":
+            return shards
+        return [1] if mode in ONE_GPU_MODES else multi
+
     if smoke:
         torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     patched = TorchDataParallel is torchdp.DataParallel or issubclass(
@@ -853,12 +889,25 @@ def main(argv: Sequence[str] | None = None) -> int:
             "ratio_to_ddp": None,
         }
 
+    def shard_base(name: str, dtype: str, mode: str, g: int, desc: str) -> dict[str, Any]:
+        """base(), and for single_shard: one GPU, one replica's share of a g-GPU run's batch."""
+        if mode != "single_shard":
+            return base(name, dtype, mode, g, desc)
+        rec = base(name, dtype, mode, 1, desc)
+        rec["batch"] = rec["batch"] // g
+        rec["input_shape"][0] = rec["batch"]
+        rec.update(shards=g, ideal_speedup_vs_single=None, speedup_vs_single=None)
+        return rec
+
     singles: dict[tuple[str, str], float] = {}
 
     def add(rec: dict[str, Any]) -> None:
         med = rec.get("step_ms_median")
         single = singles.get((rec["model"], rec["dtype"]))
-        if med and single:
+        if rec["mode"] == "single_shard":
+            if med and single:
+                rec["ideal_speedup_vs_single"] = single / med
+        elif med and single:
             rec["speedup_vs_single"] = single / med
         rec.setdefault("peak_mem_gib", [])
         results.add(**rec)
@@ -868,6 +917,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             sp = rec["speedup_vs_single"]
             extra = ""
+            if rec.get("ideal_speedup_vs_single"):
+                extra = (
+                    f", ideal speedup of {rec['shards']} GPUs {rec['ideal_speedup_vs_single']:.2f}x"
+                )
             if "grads_match_torch_dp" in rec:
                 extra = (
                     f", grads_match_torch_dp={rec['grads_match_torch_dp']} "
@@ -901,13 +954,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         except Exception as exc:  # noqa: BLE001
             for dtype in dtypes:
                 for mode in local_modes:
-                    for g in [1] if mode in ("single", "single_graphs") else multi:
-                        failed(base(name, dtype, mode, g, desc), f"setup: {error_text(exc)}")
+                    for g in counts_of(mode):
+                        failed(shard_base(name, dtype, mode, g, desc), f"setup: {error_text(exc)}")
             continue
         for dtype in dtypes:
             for mode in local_modes:
-                for g in [1] if mode in ("single", "single_graphs") else multi:
-                    rec = base(name, dtype, mode, g, desc)
+                for g in counts_of(mode):
+                    rec = shard_base(name, dtype, mode, g, desc)
                     if time_left(deadline) <= 0:
                         failed(rec, "skipped: time budget exhausted")
                         continue

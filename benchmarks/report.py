@@ -40,6 +40,7 @@ Record = dict[str, Any]
 MODE_ORDER = [
     "single",
     "single_graphs",
+    "single_shard",
     "torch_dp",
     "torch_dp_balanced",
     "libtorch_dp",
@@ -196,6 +197,14 @@ def gpus_cell(r: Record) -> str:
     return "—" if g is None else str(g)
 
 
+def speedup_cell(r: Record) -> str:
+    """The speedup over one GPU; for single_shard the ideal speedup of its GPU count."""
+    ideal = num(r.get("ideal_speedup_vs_single"))
+    if ideal is not None:
+        return f"ideal {fmt_x(ideal)} ({r.get('shards')} GPUs)"
+    return fmt_x(r.get("speedup_vs_single"))
+
+
 def is_ddp(mode: str) -> bool:
     return "ddp" in mode.lower() or "distributed" in mode.lower()
 
@@ -290,7 +299,10 @@ def train_section(records: list[Record]) -> list[str]:
         (
             "Median of the timed steps (zero_grad, forward, loss, backward, optimizer step); "
             "p10–p90 spread; speedup = one-GPU time / time; vs DDP = DDP time / time "
-            "(above 1: faster than DDP, below 1: slower)."
+            "(above 1: faster than DDP, below 1: slower). `single_shard`: the plain model on one "
+            'GPU with batch / g (one replica\'s share of a g-GPU run); its "ideal" speedup = '
+            "one-GPU time / its time, what g GPUs would reach with no communication and perfect "
+            "overlap."
         ),
         "",
     ]
@@ -310,7 +322,7 @@ def train_section(records: list[Record]) -> list[str]:
                 gpus_cell(r),
                 fmt_ms(r.get("step_ms_median")),
                 spread(r, "step_ms"),
-                fmt_x(r.get("speedup_vs_single")),
+                speedup_cell(r),
                 ratio,
                 fmt_gib(r.get("peak_mem_gib")),
                 grads_cell(r),
@@ -749,6 +761,13 @@ def plot_scaling(records: list[Record], machine: dict[str, Any], path: str) -> s
         and not r.get("smoke")
     ]
     panels: OrderedDict[tuple[str, str], dict[str, dict[int, float]]] = OrderedDict()
+    shard_label = "one GPU at batch / g (no communication)"
+    for r in records:  # single_shard: the bound of every mode at each GPU count
+        ideal, g = num(r.get("ideal_speedup_vs_single")), num(r.get("shards"))
+        if r.get("bench") != "train_step" or failed(r) or r.get("smoke") or not ideal or not g:
+            continue
+        key = (str(r.get("model")), str(r.get("dtype")))
+        panels.setdefault(key, {}).setdefault(shard_label, {1: 1.0})[int(g)] = ideal
     for r in train:
         key = (str(r.get("model")), str(r.get("dtype")))
         mode = str(r.get("mode"))
@@ -771,10 +790,11 @@ def plot_scaling(records: list[Record], machine: dict[str, Any], path: str) -> s
     top = max(g for modes in panels.values() for line in modes.values() for g in line)
     for ax, ((model, dtype), modes) in zip(axes.flat, panels.items()):
         counts = sorted({1, *(g for line in modes.values() for g in line)})
-        ax.plot(counts, counts, "k--", linewidth=0.8, label="ideal")
+        ax.plot(counts, counts, "k--", linewidth=0.8, label="linear")
         for mode, line in modes.items():
             xs = sorted(line)
-            ax.plot(xs, [line[x] for x in xs], marker="o", label=mode)
+            style = {"linestyle": ":", "color": "grey"} if mode == shard_label else {}
+            ax.plot(xs, [line[x] for x in xs], marker="o", label=mode, **style)
         ax.set_title(f"{model} {dtype}")
         ax.set_xticks(counts)
         ax.set_xlim(0.8, top + 0.2)

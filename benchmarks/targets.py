@@ -106,6 +106,19 @@ class Run:
             s = a / b if a and b else None
         return s
 
+    def ideal(self, model: str, dtype: str) -> float | None:
+        """single_shard's bound: one-GPU time / one GPU's time at batch / 2."""
+        for r in self.records:
+            if (
+                r.get("bench") == "train_step"
+                and r.get("model") == model
+                and r.get("dtype") == dtype
+                and r.get("mode") == "single_shard"
+                and num(r.get("shards")) == GPUS
+            ):
+                return num(r.get("ideal_speedup_vs_single"))
+        return None
+
     def has_bench(self, bench: str) -> bool:
         return any(r.get("bench") == bench and num(r.get("gpus")) == GPUS for r in self.records)
 
@@ -150,8 +163,11 @@ def _train_target(run: Run, model: str, label: str, goal: float, vs_ddp: bool) -
             parts.append(f"graphs vs one GPU graphed {_x(t1g / tg)}")
     if vs_ddp:
         parts.append(f"DDP {_x(ddp)}")
-        if ddp is None and s is not None:
-            return Verdict(figure, target, "; ".join(parts) + " (no DDP record)", NOT_MEASURED)
+    ideal = run.ideal(model, dtype)
+    if ideal is not None:
+        parts.append(f"bound {_x(ideal)} (one GPU at half the batch)")
+    if vs_ddp and ddp is None and s is not None:
+        return Verdict(figure, target, "; ".join(parts) + " (no DDP record)", NOT_MEASURED)
     return Verdict(figure, target, "; ".join(parts), _verdict(ok(s), options_ok))
 
 

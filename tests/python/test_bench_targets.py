@@ -95,8 +95,13 @@ def test_training_targets_default_option_and_missing():
         train("mlp200", "torchdp_graphs", 2, 20.0),
         train("mlp200", "single_graphs", 1, 10.0),
     ]
+    records.append(
+        train("resnet50", "single_shard", 1, 51.0, shards=2, ideal_speedup_vs_single=1.96)
+    )
     vs = targets.judge(records)
     assert verdict_of(vs, "ResNet-50").verdict == targets.MET
+    assert "bound 1.96x (one GPU at half the batch)" in verdict_of(vs, "ResNet-50").measured
+    assert "bound" not in verdict_of(vs, "TransformerEncoder").measured
     assert verdict_of(vs, "TransformerEncoder").verdict == targets.NOT_MET
     mlp = verdict_of(vs, "MLP")
     assert mlp.verdict == "met with cuda_graphs=True"
