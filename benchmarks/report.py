@@ -527,7 +527,7 @@ def cpp_section(records: list[Record]) -> list[str]:
                 r.get("gpus"),
                 fmt_ms(r.get("step_ms_median")),
                 spread(r, "step_ms"),
-                fmt_x(r.get("speedup_vs_single")),
+                speedup_cell(r),
                 fmt_x(r.get("speedup_vs_libtorch")),
                 fmt_gib(r.get("peak_mem_gib")),
                 f"{num(r['loss_first']):.6g}" if num(r.get("loss_first")) is not None else "—",

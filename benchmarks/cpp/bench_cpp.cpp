@@ -10,6 +10,9 @@
 //   torchdp_functional  torchdp::data_parallel over all devices
 //   torchdp_graphs      torchdp::DataParallel with cuda_graphs over all devices (GPUs only)
 //   single_graphs       the same on the first device alone (GPUs only)
+//   single_shard        the model on the first device with batch / n (one replica's share, n the
+//                       device count): single's time / its time ("ideal_speedup_vs_single") is what
+//                       n devices would reach with perfect overlap and no communication
 // and the time of one differentiable replicate() call (torch::nn::parallel::replicate vs
 // torchdp::replicate). Results go to a JSON file in the format of benchmarks/common.py.
 //
@@ -438,8 +441,8 @@ struct Bench {
         devices, std::max(0, settings.warmup - 1), steps);
     summarize(r, times, "step_ms");
     r.set("peak_mem_gib",
-          json_list(peak_memory_gib(field(r, "mode") == "single" ? std::vector<torch::Device>{dev0}
-                                                                 : devices)));
+          json_list(peak_memory_gib(field(r, "gpus") == "1" ? std::vector<torch::Device>{dev0}
+                                                            : devices)));
   }
 
   template <typename Model>
@@ -462,6 +465,24 @@ struct Bench {
     });
     const auto single_ms = median_of(single, "step_ms_median");
     report(single, "step_ms_median", single_ms);
+
+    // One replica's share of the batch on one device: the bound of every data-parallel mode.
+    if (n >= 2) {
+      const int64_t share = input.size(0) / static_cast<int64_t>(n);
+      auto r = base("cpp_train_step", name, "single_shard", 1);
+      r.num("shards", static_cast<double>(n)).num("batch", static_cast<double>(share));
+      auto& shard = run(std::move(r), "step_ms_median", [&](Record& r) {
+        auto model = make();
+        train_step(
+            r, model, input.narrow(0, 0, share),
+            [&](const torch::Tensor& x) {
+              return model->forward(x);
+            },
+            steps);
+      });
+      speedup(shard, "step_ms_median", "ideal_speedup_vs_single", single_ms);
+      report(shard, "step_ms_median", std::nullopt);
+    }
 
     std::optional<double> libtorch_ms;
     if (!TORCHDP_BENCH_LIBTORCH_DP || settings.smoke) {
@@ -603,7 +624,8 @@ struct Bench {
     std::ostringstream o;
     o << field(r, "model") << " " << field(r, "bench") << " " << field(r, "mode") << " ("
       << field(r, "devices") << "): " << std::fixed << std::setprecision(2) << *ms << " ms";
-    for (const char* key : {"speedup_vs_single", "speedup_vs_libtorch"}) {
+    for (const char* key :
+         {"speedup_vs_single", "speedup_vs_libtorch", "ideal_speedup_vs_single"}) {
       const auto v = median_of(r, key);
       if (v) {
         o << ", " << key << " " << std::setprecision(2) << *v << "x";

@@ -200,5 +200,9 @@ def test_cpp_targets():
     assert v.verdict == targets.NOT_MET
     assert "cpp_mlp200 7.50x (cuda_graphs 25.00x)" in v.measured
     assert verdict_of(vs, "conv net").verdict == targets.MET
-    records[-1]["step_ms_median"] = 2.5  # 12x vs LibTorch
+    records.append(
+        cpp("cpp_convnet", "single_shard", 1, 21.0, shards=2, ideal_speedup_vs_single=1.9)
+    )
+    assert "bound 1.90x" in verdict_of(targets.judge(records), "conv net").measured
+    records[-2]["step_ms_median"] = 2.5  # 12x vs LibTorch
     assert verdict_of(targets.judge(records), "LibTorch").verdict == "met with cuda_graphs"
