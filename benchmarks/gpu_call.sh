@@ -57,7 +57,7 @@ run() {
   fi
   local start=$SECONDS
   echo "[$((SECONDS))s] $log (${left}s left)"
-  timeout --signal=INT --kill-after=20 "$left" env "${require[@]}" "$@" >"$logs/$log.log" 2>&1
+  timeout --signal=INT --kill-after=20 "$left" env ${require[@]+"${require[@]}"} "$@" >"$logs/$log.log" 2>&1
   local rc=$?
   echo "$log: rc=$rc in $((SECONDS - start))s" | tee -a "$summary"
   grep -E "tests passed|passed|failed|FAILED|Error|error:" "$logs/$log.log" | tail -n 6 |
