@@ -5,6 +5,7 @@
 #include <torchdp/autograd.h>
 #include <torchdp/comm.h>
 #include <torchdp/devices.h>
+#include <torchdp/profiling.h>
 
 #include <c10/util/Exception.h>
 #include <c10/util/irange.h>
@@ -602,6 +603,8 @@ std::vector<py::list> replicate(py::object network, const std::vector<c10::Devic
   const auto devices = normalize_devices(devices_in, kApi);
   const size_t n = devices.size();
   const PauseGarbageCollection no_gc; // Note [No garbage collection while replicas are built]
+  std::optional<detail::ProfilerRange> phase;
+  phase.emplace("torchdp.replicate.walk");
 
   TypeTable types;
   const Network net = walk_network(network, types);
@@ -654,6 +657,8 @@ std::vector<py::list> replicate(py::object network, const std::vector<c10::Devic
                     ": grad_bucket_bytes must be >= 0 (0: one bucket), got ",
                     grad_bucket_bytes.value_or(0));
   std::vector<std::vector<at::Tensor>> param_copies, rg_copies, plain_copies;
+  phase.reset();
+  phase.emplace("torchdp.replicate.transfer");
   {
     py::gil_scoped_release no_gil;
     std::optional<autograd::GradBucketSizeGuard> bucket_size;
@@ -672,6 +677,8 @@ std::vector<py::list> replicate(py::object network, const std::vector<c10::Devic
     plain_copies = broadcast(plain_buffers, false);
   }
 
+  phase.reset();
+  phase.emplace("torchdp.replicate.build");
   // Python objects for the copies (the dev0 outputs of a detached broadcast are the originals).
   auto wrap = [](std::vector<at::Tensor>& group) {
     py::list out(group.size());
@@ -773,6 +780,7 @@ void check_replica_devices(const std::vector<py::list>& copies,
   if (copies.empty()) {
     return;
   }
+  const detail::ProfilerRange range("torchdp.replicate.device_check");
   const auto devices = normalize_devices(devices_in, api.c_str());
   const auto& r = refs();
   TypeTable types;

@@ -1,5 +1,6 @@
 #include <torchdp/autograd.h>
 #include <torchdp/devices.h>
+#include <torchdp/profiling.h>
 
 #include <ATen/Functions.h>
 #include <ATen/WrapDimUtils.h>
@@ -713,6 +714,7 @@ std::vector<std::vector<at::Tensor>> broadcast_coalesced(at::TensorList tensors,
                                                          size_t buffer_size) {
   const auto devices = normalize_devices(devices_in, "torchdp::autograd::broadcast_coalesced");
   auto outputs = comm::broadcast_coalesced(tensors, devices, buffer_size);
+  const detail::ProfilerRange range("torchdp.broadcast.autograd");
   // Outputs for devices[0] are the inputs themselves: give each a tensor of its own that shares
   // storage and version counter, so it can carry this node's history.
   for (const auto k : c10::irange(tensors.size())) {

@@ -2,6 +2,7 @@
 #include <torchdp/config.h>
 #include <torchdp/cuda/peer_copy.h>
 #include <torchdp/devices.h>
+#include <torchdp/profiling.h>
 #if TORCHDP_WITH_NCCL
 #include <torchdp/nccl/nccl_comm.h>
 #endif
@@ -76,13 +77,21 @@ at::Tensor view_into(const at::Tensor& flat, int64_t offset, c10::IntArrayRef si
   return at::Tensor(std::move(impl));
 }
 
+// `t` with its lazy conjugate and negative bits materialised (itself when it has none): transports
+// that copy bytes (NCCL, peer copies) must not send the bytes of a conj() or neg() view.
+at::Tensor resolved(const at::Tensor& t) {
+  return t.resolve_conj().resolve_neg();
+}
+
 // One flat contiguous copy of the bucket's tensors. `fresh` tells whether the result owns new
 // storage (false when it is a view of the only input, which must then not be written).
 at::Tensor flatten(const std::vector<at::Tensor>& tensors, const Bucket& bucket, bool& fresh) {
   if (bucket.indices.size() == 1) {
     const auto& t = tensors[bucket.indices[0]];
-    fresh = !t.is_contiguous();
-    return t.contiguous().view({-1});
+    // Its bytes are sent as they are: a lazy conjugate or negation is materialised first.
+    auto flat = resolved(t).contiguous().view({-1});
+    fresh = !flat.is_alias_of(t);
+    return flat;
   }
   const auto& first = tensors[bucket.indices[0]];
   int64_t total = 0;
@@ -150,7 +159,7 @@ void broadcast_direct(const std::vector<at::Tensor>& inputs, const std::vector<B
       unflatten_into(flat, inputs, bucket, outputs[j]);
     }
     for (auto i : bucket.indices) {
-      sources.push_back(inputs[i].contiguous());
+      sources.push_back(resolved(inputs[i]).contiguous());
       for (size_t j = 1; j < devices.size(); ++j) {
         destinations[j].push_back(outputs[j][i]);
       }
@@ -171,7 +180,8 @@ void broadcast_peer(const std::vector<at::Tensor>& inputs, const std::vector<c10
     const auto flat = flatten(inputs, group, fresh);
     for (size_t j = 1; j < devices.size(); ++j) {
       const auto target = at::empty({flat.numel()}, flat.options().device(devices[j]));
-      detail::peer_copy(flat, target, streams);
+      // A lone tensor is sent from the caller's own memory: its later writes wait for the copy.
+      detail::peer_copy(flat, target, streams, /*source_waits=*/!fresh);
       unflatten_into(target, inputs, group, outputs[j]);
     }
   }
@@ -207,6 +217,7 @@ std::vector<std::vector<at::Tensor>> broadcast_coalesced(at::TensorList tensors,
                                                          const std::vector<c10::Device>& devices_in,
                                                          size_t buffer_size) {
   constexpr const char* api = "torchdp::comm::broadcast_coalesced";
+  const detail::ProfilerRange range("torchdp.broadcast");
   const auto devices = normalize_devices(devices_in, api);
   TORCH_CHECK(buffer_size > 0, api, ": buffer_size must be positive, got ", buffer_size);
   check_same_device(tensors, devices[0], api, "tensor");

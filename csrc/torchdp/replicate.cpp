@@ -1,6 +1,7 @@
 #include <torchdp/autograd.h>
 #include <torchdp/comm.h>
 #include <torchdp/devices.h>
+#include <torchdp/profiling.h>
 #include <torchdp/replicate.h>
 
 #include <c10/core/GradMode.h>
@@ -252,6 +253,7 @@ std::vector<std::shared_ptr<Module>> Replicator::replicate(
   auto module = state_->module.lock();
   TORCH_CHECK(module != nullptr, kApi, ": the module of this Replicator was destroyed");
   std::lock_guard<std::mutex> lock(state_->mutex);
+  const detail::ProfilerRange range("torchdp.replicate");
 
   Walk w;
   std::unordered_set<const Module*> seen;

@@ -228,9 +228,13 @@ TEST_CASE("NCCL: coalesced broadcast and reduce give exact results", "[nccl][mul
   std::vector<torch::Tensor> tensors{
       torch::randn({1000, 3}).to(devices[0]), torch::arange(17).to(devices[0]),
       torch::randn({5}, torch::kHalf).to(devices[0]),
-      torch::ones({2, 2}, torch::kBool).to(devices[0]), torch::randn({0}).to(devices[0])};
+      torch::ones({2, 2}, torch::kBool).to(devices[0]), torch::randn({0}).to(devices[0]),
+      // Lazy conjugate and negative views: NCCL sends bytes, which are not their values.
+      torch::randn({4}, torch::kComplexFloat).to(devices[0]).conj(),
+      torch::randn({6}).to(devices[0])._neg_view()};
   auto copies = torchdp::comm::broadcast_coalesced(tensors, devices, /*buffer_size=*/4096);
   for (size_t k = 0; k < tensors.size(); ++k) {
+    INFO("tensor " << k);
     CHECK(copies[0][k].is_same(tensors[k]));
     CHECK(copies[1][k].device() == devices[1]);
     CHECK(torch::equal(copies[1][k].cpu(), tensors[k].cpu()));
@@ -377,8 +381,15 @@ void check_peer_broadcast(const std::vector<torch::Device>& devices, const char*
       torch::arange(3, torch::TensorOptions().dtype(torch::kLong).device(d0)),
       torch::randn({6, 4}, torch::TensorOptions().device(d0)).t(), // not contiguous
       torch::empty({0, 3}, torch::TensorOptions().device(d0)),
-      torch::randn({1 << 20}, torch::TensorOptions().device(d0))}; // 4 MiB: cut into pieces
+      torch::randn({1 << 20}, torch::TensorOptions().device(d0)), // 4 MiB: cut into pieces
+      // Alone in its dtype, so sent from the tensor itself (32 MiB: the copy takes a while).
+      torch::randn({1 << 24}, torch::TensorOptions().dtype(torch::kBFloat16).device(d0)),
+      // A lazy conjugate: its bytes are not its values.
+      torch::randn({5}, torch::TensorOptions().dtype(torch::kComplexFloat).device(d0)).conj()};
+  const auto lone = tensors[6].cpu();
   const auto out = torchdp::comm::broadcast_coalesced(tensors, devices);
+  // Written right away on the current stream: the copies must have read it first.
+  tensors[6].fill_(7);
   REQUIRE(out.size() == devices.size());
   for (size_t j = 1; j < devices.size(); ++j) {
     REQUIRE(out[j].size() == tensors.size());
@@ -388,8 +399,9 @@ void check_peer_broadcast(const std::vector<torch::Device>& devices, const char*
       CHECK(out[j][i].scalar_type() == tensors[i].scalar_type());
       CHECK(out[j][i].sizes() == tensors[i].sizes());
       CHECK(out[j][i].is_contiguous());
-      CHECK(torch::equal(out[j][i].cpu(), tensors[i].cpu()));
+      CHECK(torch::equal(out[j][i].cpu(), i == 6 ? lone : tensors[i].cpu()));
     }
+    CHECK_FALSE(out[j][7].is_conj());
     // One buffer per dtype: the float tensors are views of one storage.
     CHECK(out[j][0].storage().is_alias_of(out[j][5].storage()));
   }

@@ -11,11 +11,15 @@
 #include <ATen/cuda/PeerToPeerAccess.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <array>
+#include <mutex>
+#include <vector>
 #endif
 
 namespace torchdp::detail {
@@ -35,27 +39,63 @@ int peer_broadcast_streams() {
 
 #if TORCHDP_WITH_CUDA
 
-void peer_copy(const at::Tensor& src, const at::Tensor& dst, int streams) {
+namespace {
+
+// The copy streams of `device`, made once and kept for the process: streams of their own, so that
+// the pieces never queue behind other work on ATen's shared stream pool (the gradient reductions'
+// side streams come from that pool too).
+c10::cuda::CUDAStream copy_stream(c10::DeviceIndex device, int k) {
+  constexpr int kMaxStreams = 8;
+  static std::mutex mutex;
+  static std::vector<std::array<cudaStream_t, kMaxStreams>> streams;
+  TORCH_INTERNAL_ASSERT(k >= 0 && k < kMaxStreams);
+  std::lock_guard<std::mutex> lock(mutex);
+  if (streams.size() <= static_cast<size_t>(device)) {
+    streams.resize(static_cast<size_t>(device) + 1);
+    // The entries that resize() added are value-initialised (null): made on first use below.
+  }
+  auto& s = streams[static_cast<size_t>(device)][static_cast<size_t>(k)];
+  if (s == nullptr) {
+    c10::cuda::CUDAGuard guard(device);
+    C10_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  }
+  return c10::cuda::getStreamFromExternal(s, device);
+}
+
+} // namespace
+
+void peer_copy(const at::Tensor& src, const at::Tensor& dst, int streams, bool source_waits) {
   TORCH_CHECK(src.is_cuda() && dst.is_cuda() && src.is_contiguous() && dst.is_contiguous() &&
                   src.scalar_type() == dst.scalar_type() && src.numel() == dst.numel(),
               "torchdp::detail::peer_copy: expected two contiguous CUDA tensors of one dtype and "
               "size, got ",
               src.toString(), " ", src.sizes(), " on ", src.device(), " and ", dst.toString(), " ",
               dst.sizes(), " on ", dst.device());
-  TORCH_CHECK(streams >= 1, "torchdp::detail::peer_copy: streams must be at least 1, got ",
-              streams);
+  TORCH_CHECK(streams >= 1 && streams <= 8,
+              "torchdp::detail::peer_copy: streams must be from 1 to 8, got ", streams);
+  TORCH_CHECK(!src.is_conj() && !src.is_neg(),
+              "torchdp::detail::peer_copy: the source has a lazy conjugate or negative bit, which "
+              "a copy of its bytes would drop; resolve it first (resolve_conj(), resolve_neg())");
   const size_t bytes = static_cast<size_t>(src.numel()) * src.element_size();
   if (bytes == 0) {
     return;
   }
   const auto from = src.device().index();
   const auto to = dst.device().index();
-  if (from != to) {
-    at::cuda::get_p2p_access(from, to); // enables peer access once (else the copies are staged)
+  // Enables peer access once; without it the runtime stages every copy through host memory.
+  if (from != to && !at::cuda::get_p2p_access(from, to)) {
+    TORCH_WARN_ONCE("torchdp: TORCHDP_PEER_BROADCAST: no peer access from cuda:", from,
+                    " to cuda:", to,
+                    ", so the peer copies go through host memory; unset TORCHDP_PEER_BROADCAST "
+                    "to broadcast with NCCL");
   }
   c10::cuda::CUDAGuard guard(from);
   const auto source_stream = c10::cuda::getCurrentCUDAStream(from);
   const auto target_stream = c10::cuda::getCurrentCUDAStream(to);
+  TORCH_CHECK(c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::None,
+              "torchdp: the peer-copy broadcast (TORCHDP_PEER_BROADCAST) cannot run while a CUDA "
+              "graph is being captured; unset TORCHDP_PEER_BROADCAST or replicate outside the "
+              "capture");
   at::cuda::CUDAEvent source_ready;
   at::cuda::CUDAEvent target_ready;
   source_ready.record(source_stream); // the packing, and whatever wrote src
@@ -64,9 +104,10 @@ void peer_copy(const at::Tensor& src, const at::Tensor& dst, int streams) {
   const size_t piece = ((bytes + streams - 1) / streams + 255) / 256 * 256;
   const auto* source = static_cast<const char*>(src.data_ptr());
   auto* target = static_cast<char*>(dst.data_ptr());
-  for (size_t offset = 0; offset < bytes; offset += piece) {
+  int k = 0;
+  for (size_t offset = 0; offset < bytes; offset += piece, ++k) {
     const size_t n = std::min(piece, bytes - offset);
-    const auto stream = c10::cuda::getStreamFromPool(/*isHighPriority=*/false, from);
+    const auto stream = copy_stream(from, k);
     source_ready.block(stream);
     target_ready.block(stream);
     C10_CUDA_CHECK(
@@ -75,12 +116,15 @@ void peer_copy(const at::Tensor& src, const at::Tensor& dst, int streams) {
     at::cuda::CUDAEvent done;
     done.record(stream);
     done.block(target_stream);
+    if (source_waits) {
+      done.block(source_stream); // later writes to src on its current stream wait for the read
+    }
   }
 }
 
 #else
 
-void peer_copy(const at::Tensor&, const at::Tensor&, int) {
+void peer_copy(const at::Tensor&, const at::Tensor&, int, bool) {
   TORCH_CHECK(false,
               "torchdp::detail::peer_copy needs torchdp built with its CUDA fast paths "
               "(TORCHDP_WITH_CUDA)");

@@ -1,4 +1,5 @@
 #include <torchdp/nccl/nccl_comm.h>
+#include <torchdp/profiling.h>
 
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -140,6 +141,7 @@ void broadcast_each(const std::vector<at::Tensor>& sources,
                     const std::vector<std::vector<at::Tensor>>& destinations,
                     const std::vector<c10::Device>& devices) {
   auto& comms = communicators(devices);
+  const detail::ProfilerRange range("torchdp.nccl.broadcast_group");
   GroupGuard group;
   for (const auto j : c10::irange(devices.size())) {
     c10::cuda::CUDAGuard guard(devices[j]);
