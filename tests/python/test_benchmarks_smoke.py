@@ -197,3 +197,33 @@ def test_profile_step_rejects_bad_device_ids():
         timeout=120,
     )
     assert proc.returncode == 2 and "replaces --gpus and --smoke" in proc.stderr
+
+
+def test_replicate_phases_probe_sees_torchdp_profiler_ranges():
+    # The C++ marks its phases with profiler ranges (csrc/torchdp/profiling.h); the probe reads
+    # them back from torch.profiler, so each must appear once per replicate call.
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "python"), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "probe_replicate_phases.py"),
+            "--smoke",
+            "--models",
+            "mlp200",
+            "--calls",
+            "3",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    for phase in ("walk", "transfer", "build", "device_check"):
+        line = next(
+            (row for row in proc.stdout.splitlines() if f"torchdp.replicate.{phase} " in row), None
+        )
+        assert line is not None, proc.stdout
+        assert line.rstrip().endswith("1.0 calls/call"), line
+    assert "torchdp.broadcast.autograd" in proc.stdout
