@@ -50,6 +50,11 @@ _warned: set[tuple[str, str]] = set()
 _warned_lock = threading.Lock()
 
 
+def internal_keys() -> frozenset[str]:
+    """The keys of a module's ``__dict__`` that are nn.Module's or replicate's, not user state."""
+    return _INTERNAL_KEYS
+
+
 def check_stale_attribute_policy(policy: Any, api: str) -> str | None:
     """``policy`` if it is a valid ``stale_attributes=`` value, else a ``ValueError``."""
     if policy is None or (isinstance(policy, str) and policy in STALE_ATTRIBUTE_POLICIES):

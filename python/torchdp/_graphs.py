@@ -40,6 +40,7 @@ from __future__ import annotations
 import enum
 import warnings
 import weakref
+from collections import OrderedDict
 from collections.abc import Sequence
 from itertools import chain
 from typing import Any
@@ -48,6 +49,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from torchdp._attributes import internal_keys
 from torchdp.replicate import replicate
 
 _API = "torchdp.DataParallel(cuda_graphs=True)"
@@ -136,6 +138,17 @@ class _Replica:
             for p, v in zip(params, param_storage, strict=True)
         }
         buffer_of = {id(b): v for b, v in zip(buffers, buffer_storage, strict=True)}
+        # What plain attributes may alias: the module's tensors and the replica's own copies of
+        # them (replicate's, before they are replaced below); each becomes the replica's tensor.
+        alias_of: dict[int, torch.Tensor] = {}
+        for original, replica in zip(originals, copies, strict=True):
+            for table, new_of in ((_parameters, leaf_of), (_buffers, buffer_of)):
+                for key, t in getattr(original, table).items():
+                    if t is not None:
+                        alias_of[id(t)] = new_of[id(t)]
+                        held = getattr(replica, table).get(key)
+                        if held is not None:
+                            alias_of[id(held)] = new_of[id(t)]
         for original, replica in zip(originals, copies, strict=True):
             for key, p in original._parameters.items():
                 if p is None:
@@ -156,10 +169,88 @@ class _Replica:
                 if b is not None:
                     # Directly: some classes' __setattr__ copies into the existing buffer instead.
                     replica._buffers[key] = buffer_of[id(b)]
+        _rebind_plain_attributes(copies, alias_of)
         self.module = copy
         self.grad_params = [leaf_of[id(p)] for p in params if p.requires_grad]
         self.params: _Flat | None = None  # the flat copies (replicas on other devices)
         self.buffers: _Flat | None = None
+
+
+_parameters, _buffers = "_parameters", "_buffers"
+# How deep lists, tuples and dicts in plain attributes are searched (as stale_attributes does).
+_MAX_DEPTH = 4
+
+
+def _map_tensors(value: Any, fn: Any, where: str, depth: int = 0) -> Any:
+    """``value`` with ``fn(tensor, where)`` applied to its tensors, directly or in lists, tuples,
+    named tuples and dicts (the containers rebuilt only where something changed)."""
+    if isinstance(value, torch.Tensor):
+        return fn(value, where)
+    if depth >= _MAX_DEPTH:
+        return value
+    if type(value) in (list, tuple) or (
+        isinstance(value, tuple) and hasattr(type(value), "_fields")
+    ):
+        items = [_map_tensors(v, fn, f"{where}[{i}]", depth + 1) for i, v in enumerate(value)]
+        if all(a is b for a, b in zip(items, value, strict=True)):
+            return value
+        if type(value) is list:
+            return items
+        return tuple(items) if type(value) is tuple else type(value)(*items)
+    if type(value) in (dict, OrderedDict):
+        pairs = [(k, _map_tensors(v, fn, f"{where}[{k!r}]", depth + 1)) for k, v in value.items()]
+        if all(new is value[k] for k, new in pairs):
+            return value
+        return type(value)(pairs)
+    return value
+
+
+def _plain_attributes(module: nn.Module) -> list[str]:
+    skip = internal_keys()
+    return [
+        k
+        for k, v in module.__dict__.items()
+        if k not in skip and isinstance(v, (torch.Tensor, list, tuple, dict))
+    ]
+
+
+def _refuse_unregistered_leaves(network: nn.Module) -> None:
+    """A plain attribute holding a leaf tensor that requires grad but is not a registered
+    parameter (directly or in a container) would get no gradient from the captured backward,
+    which differentiates with respect to the replicas' parameters: refused, naming it."""
+    registered = {id(p) for p in network.parameters()}
+    for name, module in network.named_modules():
+
+        def check(t: torch.Tensor, where: str, module: nn.Module = module, name: str = name):
+            if t.requires_grad and t.is_leaf and id(t) not in registered:
+                raise RuntimeError(
+                    f"{_API}: attribute {where!r} of module '{name or '<root>'}' (type "
+                    f"{type(module).__qualname__}) is a tensor that requires grad but is not a "
+                    "registered parameter, so the captured backward could not give it a gradient. "
+                    "Register it (nn.Parameter), or use cuda_graphs=False"
+                )
+            return t
+
+        for key in _plain_attributes(module):
+            _map_tensors(module.__dict__[key], check, key)
+
+
+def _rebind_plain_attributes(copies: list[nn.Module], alias_of: dict[int, torch.Tensor]) -> None:
+    """Points the replica's plain attributes (``self.w = self.linear.weight``, directly or in
+    containers) that hold the module's parameters or buffers, or replicate's copies of them, at
+    the replica's graph-stable tensors: a captured forward that read a parameter through such an
+    alias would drop its gradient (the backward graph differentiates with respect to the
+    replica's own leaves)."""
+
+    def rebind(t: torch.Tensor, where: str) -> torch.Tensor:
+        return alias_of.get(id(t), t)
+
+    for replica in copies:
+        state = replica.__dict__
+        for key in _plain_attributes(replica):
+            fixed = _map_tensors(state[key], rebind, key)
+            if fixed is not state[key]:
+                state[key] = fixed
 
 
 def _tensor_key(t: torch.Tensor) -> tuple[Any, ...]:
@@ -252,6 +343,7 @@ class GraphedReplicas:
                     f"{_API}: every parameter and buffer must be on {self.devices[0]}, found one "
                     f"on {t.device}"
                 )
+        _refuse_unregistered_leaves(self.module)
         self.param_mirror = _Mirror(self.params)
         self.buffer_mirror = _Mirror(self.buffers)
         devices = self.devices[:n]
@@ -431,13 +523,16 @@ class GraphedReplicas:
         self._refresh(n)  # the replicas' buffers too
         torch.set_autocast_cache_enabled(False)
         streams = {d: torch.cuda.current_stream(d) for d in set(devices)}
+        current_device = torch.cuda.current_device()
         try:
             self._record(capture, modules, devices, grad)
         except Exception as e:
             # torch.cuda.graph does not restore the current stream when ending a failed capture
-            # raises too.
+            # raises too; set_stream also makes the stream's device current, so the caller's
+            # current device is restored after.
             for stream in streams.values():
                 torch.cuda.set_stream(stream)
+            torch.cuda.set_device(current_device)
             raise RuntimeError(
                 f"{_API}: capturing the replicas' forward and backward as CUDA graphs failed "
                 f"({type(e).__name__}: {e}). The forward must be capturable: no synchronisation "

@@ -203,8 +203,10 @@ def test_input_gradients_and_gather_output_false(ids):
     x_ref = x.detach().clone().requires_grad_(True)
     outs, outs_ref = graphed(x), eager(x_ref)
     assert [o.device for o in outs] == [o.device for o in outs_ref]
-    sum(o.sum() * (i + 1) for i, o in enumerate(outs)).backward()
-    sum(o.sum() * (i + 1) for i, o in enumerate(outs_ref)).backward()
+    # Each replica's output stays on its device: the loss gathers the scalars on the first.
+    first = outs[0].device
+    sum((o.sum() * (i + 1)).to(first) for i, o in enumerate(outs)).backward()
+    sum((o.sum() * (i + 1)).to(first) for i, o in enumerate(outs_ref)).backward()
     torch.testing.assert_close(x.grad, x_ref.grad)
     _assert_same_module_state(net, ref)
 
@@ -337,3 +339,96 @@ def test_stale_attributes_move_applies_to_the_graphed_replicas():
     out.sum().backward()
     out_ref.sum().backward()
     _assert_same_module_state(net, ref)
+
+
+class Aliased(nn.Module):
+    """Plain attributes that alias registered tensors, directly and inside containers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+        self.bn = nn.BatchNorm1d(6)
+        self.w = self.lin.weight
+        self.parts = [self.lin.bias, {"mean": self.bn.running_mean}]
+
+    def forward(self, x):
+        return self.bn(x @ self.w.t() + self.parts[0]).relu()
+
+
+def test_graphed_replicas_rebind_plain_aliases_of_registered_tensors():
+    # Runs on the CPU: the replicas of this mode are built by pure Python code. A captured forward
+    # reading a parameter through an alias would drop its gradient (the backward graph
+    # differentiates with respect to the replica's own leaves), so aliases must be rebound.
+    graphs = sys.modules["torchdp._graphs"]
+    net = Aliased()
+    cpu = torch.device("cpu")
+    params, buffers = list(net.parameters()), list(net.buffers())
+    copies = torchdp.replicate(net, cpu_devices(2), detach=True)
+    for j, copy in enumerate(copies):
+        if j == 0:
+            param_storage, buffer_storage = [p.detach() for p in params], buffers
+        else:
+            param_storage = graphs._Mirror(params).mirror(cpu).views
+            buffer_storage = graphs._Mirror(buffers).mirror(cpu).views
+        replica = graphs._Replica(net, copy, params, buffers, param_storage, buffer_storage, cpu)
+        m = replica.module
+        assert m.lin.weight is not net.lin.weight and m.lin.weight.is_leaf
+        assert m.w is m.lin.weight
+        assert m.parts[0] is m.lin.bias
+        assert m.parts[1]["mean"] is m.bn.running_mean
+        assert m.bn.running_mean is buffer_storage[0]
+    # The module's own attributes are left as they were.
+    assert net.w is net.lin.weight and net.parts[0] is net.lin.bias
+    assert net.parts[1]["mean"] is net.bn.running_mean
+
+
+def test_graphed_replicas_refuse_unregistered_leaves_that_need_gradients():
+    graphs = sys.modules["torchdp._graphs"]
+    net = Aliased()
+    graphs._refuse_unregistered_leaves(net)  # aliases of parameters are fine
+    net.lin.cache = [torch.ones(2).requires_grad_()[0:1] * 2]  # not a leaf: an activation
+    graphs._refuse_unregistered_leaves(net)
+    net.lin.scale = {"s": torch.ones(6, requires_grad=True)}  # a leaf the backward cannot see
+    with pytest.raises(RuntimeError, match=r"attribute \"scale\['s'\]\" of module 'lin'") as info:
+        graphs._refuse_unregistered_leaves(net)
+    assert "nn.Parameter" in str(info.value) and "cuda_graphs=False" in str(info.value)
+
+
+@pytest.mark.parametrize("ids", device_lists())
+def test_aliased_parameters_get_their_gradients(ids):
+    net, ref, graphed, eager = _pair(Aliased, ids)
+    for _ in range(3):
+        x = torch.randn(8, 6, device=f"cuda:{ids[0]}")
+        for m in (net, ref):
+            m.zero_grad(set_to_none=True)
+        graphed(x).pow(2).sum().backward()
+        eager(x).pow(2).sum().backward()
+        _assert_same_module_state(net, ref)
+        with torch.no_grad():
+            for m in (net, ref):
+                for p in m.parameters():
+                    p -= 0.1 * p.grad
+    assert _graphed(graphed).captures_made == 1
+
+
+class Syncing(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.fc(x)
+        return y * float(y.abs().max().item() > 0)  # a synchronisation: not capturable
+
+
+@pytest.mark.parametrize("ids", device_lists())
+def test_a_failed_capture_leaves_device_and_streams_as_they_were(ids):
+    torch.manual_seed(0)
+    net = Syncing().cuda(ids[0])
+    dp = torchdp.DataParallel(net, devices=_devices(ids), cuda_graphs=True)
+    torch.cuda.set_device(ids[0])
+    streams = {d: torch.cuda.current_stream(d) for d in set(ids)}
+    with pytest.raises(RuntimeError, match="capturing the replicas' forward and backward"):
+        dp(torch.randn(8, 4, device=f"cuda:{ids[0]}"))
+    assert torch.cuda.current_device() == ids[0]
+    assert {d: torch.cuda.current_stream(d) for d in set(ids)} == streams
