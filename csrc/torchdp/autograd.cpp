@@ -14,6 +14,7 @@
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
 #include <torch/csrc/autograd/graph_task.h>
+#include <torch/csrc/autograd/input_buffer.h>
 #include <torch/csrc/autograd/utils/grad_layout_contract.h>
 #include <torch/csrc/autograd/variable.h>
 
@@ -120,9 +121,10 @@ at::Tensor grad_or_zeros(const Node& node, const variable_list& grads, size_t i)
 // stream, which the engine makes wait for every gradient produced elsewhere (other devices, other
 // streams) before running the node. The engine synchronises nothing else, so inside the node:
 //   * an event recorded on the node's stream -- after the engine's waits, so it covers every
-//     gradient -- is waited for by every device's side stream; the side streams of the other
-//     devices also wait for their device's current stream (where older releases assume a node
-//     syncs with the producing device itself);
+//     gradient -- is waited for by every device's side stream. Releases whose engine does not
+//     wait across devices (no InputBuffer::ready_events) assume a node syncs with the producing
+//     device itself: there the side streams of the other devices also wait for their device's
+//     current stream, which covers more of that device's backward pass than the bucket needs;
 //   * the incoming gradients are recorded on the side streams (the caching allocator must not
 //     recycle them while a side stream still reads them), the reduction runs with the side
 //     streams current, and the sums are recorded on the source device's forward stream;
@@ -181,12 +183,50 @@ std::optional<c10::Stream> reduction_stream(c10::Device device) {
   return it->second;
 }
 
+// Keeps `t`'s memory from reuse until the work queued so far on `stream` is done (the caching
+// allocator knows only the stream a block was allocated on). Sparse tensors have no storage of
+// their own: their indices and values are recorded.
 void record_on(const at::Tensor& t, const c10::Stream& stream) {
-  if (t.defined() && t.device().is_cuda() && t.has_storage() && t.storage().data_ptr().get()) {
+  if (!t.defined() || !t.device().is_cuda()) {
+    return;
+  }
+  switch (t.layout()) {
+    case c10::kSparse:
+      record_on(t._indices(), stream);
+      record_on(t._values(), stream);
+      return;
+    case c10::kSparseCsr:
+    case c10::kSparseBsr:
+      record_on(t.crow_indices(), stream);
+      record_on(t.col_indices(), stream);
+      record_on(t.values(), stream);
+      return;
+    case c10::kSparseCsc:
+    case c10::kSparseBsc:
+      record_on(t.ccol_indices(), stream);
+      record_on(t.row_indices(), stream);
+      record_on(t.values(), stream);
+      return;
+    default:
+      break;
+  }
+  if (t.has_storage() && t.storage().data_ptr().get()) {
     c10::impl::VirtualGuardImpl(t.device().type())
         .recordDataPtrOnStream(t.storage().data_ptr(), stream);
   }
 }
+
+// Whether the engine itself orders a node after every gradient it receives, whatever the device
+// that produced it: newer releases record a ready event per input (InputBuffer::ready_events) on
+// the producer's stream and make the node's stream wait for each before running the node. Older
+// ones made no wait across devices and left it to the node (Note [Gradient buckets and reduction
+// streams]).
+template <typename T, typename = void>
+struct WaitsForEveryInput : std::false_type {};
+template <typename T>
+struct WaitsForEveryInput<T, std::void_t<decltype(std::declval<T&>().ready_events)>>
+    : std::true_type {};
+constexpr bool kEngineWaitsAcrossDevices = WaitsForEveryInput<torch::autograd::InputBuffer>::value;
 
 // Makes `waiter` wait for the work queued on `done` so far (nothing when they are one stream).
 void stream_waits_for(const c10::Stream& waiter, const c10::Stream& done) {
@@ -291,8 +331,10 @@ class BucketDelivery : public std::enable_shared_from_this<BucketDelivery> {
     return buckets_[bucket][slot];
   }
 
-  // Bucket `bucket`'s node (for identity only: never dereferenced).
+  // Bucket `bucket`'s node (for identity only: never dereferenced); a node clears its entry when
+  // it is destroyed, so that a later node at the same address is not counted as this bucket.
   void set_node(size_t bucket, const Node* node) {
+    std::lock_guard<std::mutex> lock(mutex_);
     nodes_[bucket] = node;
   }
 
@@ -310,17 +352,26 @@ class BucketDelivery : public std::enable_shared_from_this<BucketDelivery> {
         scan(pass);
       }
       it = passes_.emplace(task, std::move(pass)).first;
-      torch::autograd::Engine::get_default_engine().queue_callback(
-          [self = shared_from_this(), task] {
-            self->finish(task);
-          });
+      // The engine runs its callbacks only when the pass succeeds; a pass that fails destroys
+      // them with its graph task, and the guard then ends the pass (PassGuard).
+      auto guard = std::make_shared<PassGuard>(weak_from_this(), task);
+      torch::autograd::Engine::get_default_engine().queue_callback([guard] {
+        if (auto self = guard->delivery.lock()) {
+          guard->finished = true;
+          self->finish(guard->task);
+        }
+      });
     }
     it->second.ran[bucket] = true;
   }
 
   // True when `sum`, the gradient of tensor k about to go through `edge`, needs no stream wait
-  // before the end of the pass's last bucket: AccumulateGrad will take it without reading it.
-  bool may_defer(size_t k, const Edge& edge, const at::Tensor& sum) {
+  // before the end of the pass's last bucket: AccumulateGrad will take it without reading it, on
+  // `forward` (the bucket node's stream), which the last bucket makes wait for `side` (both unset
+  // without side streams: CPU devices, which have one stream each).
+  bool may_defer(size_t k, const Edge& edge, const at::Tensor& sum,
+                 const std::optional<c10::Stream>& forward,
+                 const std::optional<c10::Stream>& side) {
     if (c10::GradMode::is_enabled() || !deferring_allowed.load()) {
       return false; // create_graph: AccumulateGrad would copy the sum
     }
@@ -328,6 +379,11 @@ class BucketDelivery : public std::enable_shared_from_this<BucketDelivery> {
     auto* acc = dynamic_cast<torch::autograd::AccumulateGrad*>(edge.function.get());
     if (acc == nullptr || !acc->variable.defined() ||
         acc->variable.unsafeGetTensorImpl() != t.unsafeGetTensorImpl()) {
+      return false;
+    }
+    // AccumulateGrad must run on the stream the deferred wait will be made on: one kept from an
+    // earlier step (cached replicas keep last step's nodes) may have another.
+    if (forward && acc->stream() != forward) {
       return false;
     }
     if (!acc->pre_hooks().empty() || !acc->tensor_pre_hooks().empty() ||
@@ -353,6 +409,9 @@ class BucketDelivery : public std::enable_shared_from_this<BucketDelivery> {
       return false;
     }
     pass.deferred.emplace_back(k, sum.data_ptr());
+    if (forward && side) {
+      pass.streams.emplace(*forward, *side);
+    }
     return true;
   }
 
@@ -371,6 +430,25 @@ class BucketDelivery : public std::enable_shared_from_this<BucketDelivery> {
   }
 
  private:
+  // Held by the pass's engine callback: when the callback is destroyed without having run (the
+  // pass raised), the pass is ended here, and the forward stream still waits for deferred sums.
+  struct PassGuard {
+    PassGuard(std::weak_ptr<BucketDelivery> d, int t) : delivery(std::move(d)), task(t) {}
+    PassGuard(const PassGuard&) = delete;
+    PassGuard& operator=(const PassGuard&) = delete;
+    ~PassGuard() {
+      if (finished) {
+        return;
+      }
+      if (auto self = delivery.lock()) {
+        self->abandon(task);
+      }
+    }
+    std::weak_ptr<BucketDelivery> delivery;
+    int task;
+    bool finished = false;
+  };
+
   struct Pass {
     std::vector<bool> ran;     // per bucket
     bool accumulating = false; // backward() without inputs=
@@ -378,8 +456,31 @@ class BucketDelivery : public std::enable_shared_from_this<BucketDelivery> {
     size_t buckets_in_graph = 0;
     size_t buckets_run = 0;
     std::unordered_map<const Node*, int> producers; // in-degree of each tensor's AccumulateGrad
-    std::vector<std::pair<size_t, const void*>> deferred; // tensor index, data of its sum
+    std::vector<std::pair<size_t, const void*>> deferred;       // tensor index, data of its sum
+    std::optional<std::pair<c10::Stream, c10::Stream>> streams; // forward, side (when deferred)
   };
+
+  // A pass that raised: sums it deferred may sit in .grad already, so the forward stream waits
+  // for the reductions now (never throws: it runs in a destructor).
+  void abandon(int task) noexcept {
+    std::optional<std::pair<c10::Stream, c10::Stream>> streams;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto it = passes_.find(task);
+      if (it == passes_.end()) {
+        return;
+      }
+      streams = it->second.streams;
+      passes_.erase(it);
+    }
+    if (streams) {
+      try {
+        stream_waits_for(streams->first, streams->second);
+      } catch (...) {
+        // The failed pass's own error is the one the caller sees.
+      }
+    }
+  }
 
   // Counts, in the pass's graph, the edges that lead to each tensor's AccumulateGrad node and the
   // bucket nodes of this broadcast.
@@ -506,6 +607,15 @@ struct BroadcastBackward : Node {
         delivery_(std::move(delivery)),
         bucket_index_(bucket_index) {}
 
+  BroadcastBackward(const BroadcastBackward&) = delete;
+  BroadcastBackward& operator=(const BroadcastBackward&) = delete;
+
+  ~BroadcastBackward() override {
+    if (delivery_) {
+      delivery_->set_node(bucket_index_, nullptr); // this address may be reused by another node
+    }
+  }
+
   std::string name() const override {
     return "torchdp::BroadcastBackward";
   }
@@ -556,12 +666,15 @@ struct BroadcastBackward : Node {
     const void* recorded = nullptr; // consecutive sums are views of one flat buffer
     bool wait_now = false;
     for (const auto i : c10::irange(wanted.size())) {
-      if (node_stream && sums[i].has_storage() && sums[i].storage().data() != recorded) {
+      if (node_stream && !sums[i].has_storage()) {
+        record_on(sums[i], *node_stream); // sparse: its indices and values
+      } else if (node_stream && sums[i].storage().data() != recorded) {
         record_on(sums[i], *node_stream);
         recorded = sums[i].storage().data();
       }
-      if (delivery_ && !delivery_->may_defer(delivery_->tensor_index(bucket_index_, wanted[i]),
-                                             next_edge(wanted[i]), sums[i])) {
+      if (delivery_ &&
+          !delivery_->may_defer(delivery_->tensor_index(bucket_index_, wanted[i]),
+                                next_edge(wanted[i]), sums[i], node_stream, side_streams_[0])) {
         wait_now = true;
       }
       result[wanted[i]] = std::move(sums[i]);
@@ -587,9 +700,12 @@ struct BroadcastBackward : Node {
     all_ready.record(node_stream);
     for (const auto& stream : side_streams_) {
       stream->wait(all_ready);
-      if (stream->device() == source_) {
+      if (kEngineWaitsAcrossDevices || stream->device() == source_) {
         continue;
       }
+      // An engine that leaves cross-device order to the node: wait for everything the other
+      // device has queued so far, which includes its gradients of this bucket (and possibly
+      // more of its backward pass, so the reduction may start later than it could).
       stream_waits_for(*stream, current_stream(stream->device()));
     }
   }

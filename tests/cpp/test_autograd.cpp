@@ -644,3 +644,40 @@ TEST_CASE("bucket delivery defers the waits of sums nothing reads", "[cpu][autog
   CHECK(torchdp::autograd::deferred_gradient_sums() == join_before);
   CHECK(torch::allclose(a.grad(), torch::full({4, 3}, 2.0)));
 }
+
+TEST_CASE("bucket delivery: a backward pass that raises leaves the next ones working",
+          "[cpu][autograd]") {
+  // A pass that fails never runs its end-of-pass callback; the bucket delivery then ends the pass
+  // when the engine drops that callback, and later passes defer and deliver as usual.
+  BucketSizeEnv env("0.000001"); // every tensor in a bucket of its own
+  DeliveryEnv delivery("bucket");
+  const auto a = leaf({4, 3});
+  const auto b = leaf({5});
+  bool fail = true;
+  // a is the first tensor, so its bucket runs last: b's sum is deferred before the hook raises.
+  a.register_hook([&fail](const torch::Tensor& g) {
+    if (fail) {
+      throw std::runtime_error("hook failed");
+    }
+    return g;
+  });
+  auto step = [&] {
+    const auto out = torchdp::autograd::broadcast_coalesced({a, b}, cpu_devices(2));
+    auto loss = torch::zeros({});
+    for (size_t j = 0; j < 2; ++j) {
+      loss = loss + out[j][0].sum() + out[j][1].pow(2).sum();
+    }
+    loss.backward();
+  };
+  TORCHDP_CHECK_THROWS_WITH(step(), "hook failed");
+  fail = false;
+  for (int i = 0; i < 2; ++i) {
+    a.mutable_grad().reset();
+    b.mutable_grad().reset();
+    const auto before = torchdp::autograd::deferred_gradient_sums();
+    step();
+    CHECK(torchdp::autograd::deferred_gradient_sums() - before == 1); // b's; a has a hook
+    CHECK(torch::allclose(a.grad(), torch::full({4, 3}, 2.0)));
+    CHECK(torch::allclose(b.grad(), 4 * b.detach()));
+  }
+}

@@ -388,7 +388,7 @@ void GraphedReplicas::State::warm_up(Capture& capture, const Call& call, size_t 
       const auto current = c10::cuda::getCurrentCUDAStream(devices[j].index());
       const auto side = c10::cuda::getStreamFromPool(false, devices[j].index());
       wait_for(side, current);
-      {
+      try {
         c10::cuda::CUDAStreamGuard stream_guard(side);
         auto args = capture.static_in[j];
         auto out = call(replicas[j].module, args);
@@ -403,6 +403,11 @@ void GraphedReplicas::State::warm_up(Capture& capture, const Call& call, size_t 
             torch::autograd::grad({out}, wrt, {at::ones_like(out)}, std::nullopt, false, true);
           }
         }
+      } catch (...) {
+        // The caller restores the buffers on the current stream: it must come after whatever the
+        // failed step queued on the side stream (a BatchNorm's running statistics).
+        wait_for(current, side);
+        throw;
       }
       wait_for(current, side);
     }
