@@ -125,11 +125,13 @@ void broadcast(std::vector<at::Tensor>& buffers, const std::vector<c10::Device>&
   if (bytes == 0) {
     return;
   }
-  GroupGuard group;
-  for (const auto j : c10::irange(devices.size())) {
+  for (const auto j : c10::irange(devices.size())) { // before the group (see broadcast_each)
     TORCH_INTERNAL_ASSERT(buffers[j].is_contiguous() &&
                           static_cast<size_t>(buffers[j].numel() * buffers[j].element_size()) ==
                               bytes);
+  }
+  GroupGuard group;
+  for (const auto j : c10::irange(devices.size())) {
     c10::cuda::CUDAGuard guard(devices[j]);
     auto stream = c10::cuda::getCurrentCUDAStream(devices[j].index());
     TORCHDP_NCCL_CHECK(ncclBroadcast(buffers[0].data_ptr(), buffers[j].data_ptr(), bytes, ncclUint8,
@@ -142,6 +144,15 @@ void broadcast_each(const std::vector<at::Tensor>& sources,
                     const std::vector<c10::Device>& devices) {
   auto& comms = communicators(devices);
   const detail::ProfilerRange range("torchdp.nccl.broadcast_group");
+  // Checked before the group starts: a throw inside it would end a group that some ranks joined.
+  for (const auto j : c10::irange(size_t{1}, devices.size())) {
+    for (const auto k : c10::irange(sources.size())) {
+      const auto& destination = destinations[j][k];
+      TORCH_INTERNAL_ASSERT(destination.is_contiguous() &&
+                            destination.numel() * destination.element_size() ==
+                                sources[k].numel() * sources[k].element_size());
+    }
+  }
   GroupGuard group;
   for (const auto j : c10::irange(devices.size())) {
     c10::cuda::CUDAGuard guard(devices[j]);
@@ -152,14 +163,7 @@ void broadcast_each(const std::vector<at::Tensor>& sources,
       if (bytes == 0) {
         continue;
       }
-      void* recv = source.data_ptr();
-      if (j > 0) {
-        const auto& destination = destinations[j][k];
-        TORCH_INTERNAL_ASSERT(
-            destination.is_contiguous() &&
-            static_cast<size_t>(destination.numel() * destination.element_size()) == bytes);
-        recv = destination.data_ptr();
-      }
+      void* recv = j > 0 ? destinations[j][k].data_ptr() : source.data_ptr();
       TORCHDP_NCCL_CHECK(ncclBroadcast(source.data_ptr(), recv, bytes, ncclUint8, /*root=*/0,
                                        comms[j], stream.stream()));
     }
@@ -174,10 +178,13 @@ void reduce(const std::vector<at::Tensor>& inputs, at::Tensor& output, size_t ro
     return;
   }
   const auto type = reduce_type(inputs[0].scalar_type());
-  GroupGuard group;
+  // Checked before the group starts: a throw inside it would end a group that some ranks joined.
   for (const auto j : c10::irange(devices.size())) {
     TORCH_INTERNAL_ASSERT(inputs[j].is_contiguous() &&
                           static_cast<size_t>(inputs[j].numel()) == count);
+  }
+  GroupGuard group;
+  for (const auto j : c10::irange(devices.size())) {
     c10::cuda::CUDAGuard guard(devices[j]);
     auto stream = c10::cuda::getCurrentCUDAStream(devices[j].index());
     void* recv = j == root ? output.data_ptr() : nullptr;
