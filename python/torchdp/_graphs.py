@@ -533,6 +533,13 @@ class GraphedReplicas:
             for stream in streams.values():
                 torch.cuda.set_stream(stream)
             torch.cuda.set_device(current_device)
+            # A capture that fails before its end leaves each device's default generator in
+            # capture mode (every later random op raises "Offset increment outside graph capture
+            # encountered unexpectedly"): each gets a fresh state, at the state before the capture.
+            for d, state in rng.items():
+                fresh = torch.Generator(device=d)
+                fresh.set_state(state)
+                torch.cuda.default_generators[d.index].graphsafe_set_state(fresh)
             raise RuntimeError(
                 f"{_API}: capturing the replicas' forward and backward as CUDA graphs failed "
                 f"({type(e).__name__}: {e}). The forward must be capturable: no synchronisation "

@@ -326,6 +326,42 @@ TEST_CASE("CUDA graphs: two replicas on one GPU train like the eager DataParalle
   }
 }
 
+namespace {
+
+// A forward that synchronises with the CPU, which a CUDA graph cannot capture.
+struct SyncingImpl : torch::nn::Module {
+  SyncingImpl() : fc(register_module("fc", torch::nn::Linear(4, 4))) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto y = fc(x);
+    return y * (y.abs().max().item<float>() > 0 ? 1.0 : 0.0);
+  }
+  torch::nn::Linear fc;
+};
+TORCH_MODULE(Syncing);
+
+} // namespace
+
+TEST_CASE("CUDA graphs: a failed capture leaves the random number generator working", "[cuda]") {
+  TORCHDP_NEED_CUDA(gpus, 1);
+  const std::vector<torch::Device> devices{gpus[0], gpus[0]};
+  torch::manual_seed(34);
+  Syncing model;
+  model->to(devices[0]);
+  torchdp::DataParallel dp(model,
+                           torchdp::DataParallelOptions().device_ids(devices).cuda_graphs(true));
+  const auto x = torch::randn({8, 4}).to(devices[0]);
+  const auto& gen = at::globalContext().defaultGenerator(devices[0]);
+  const auto before = gen.get_state();
+  TORCHDP_CHECK_THROWS_WITH(dp->forward(x), "capturing the replicas' forward and backward");
+  // Where it was, and usable (a generator left in capture mode raises at the next random op).
+  CHECK(torch::equal(gen.get_state(), before));
+  CHECK(torch::randn({3}, torch::TensorOptions().device(devices[0])).numel() == 3);
+  // The module still trains eagerly.
+  torchdp::DataParallel eager(model, torchdp::DataParallelOptions().device_ids(devices));
+  eager->forward(x).sum().backward();
+  CHECK(model->fc->weight.grad().defined());
+}
+
 TEST_CASE("CUDA graphs: two GPUs train like the eager DataParallel", "[multi-cuda]") {
   TORCHDP_NEED_CUDA(devices, 2);
   torch::manual_seed(31);

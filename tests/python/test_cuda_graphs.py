@@ -427,8 +427,18 @@ def test_a_failed_capture_leaves_device_and_streams_as_they_were(ids):
     net = Syncing().cuda(ids[0])
     dp = torchdp.DataParallel(net, devices=_devices(ids), cuda_graphs=True)
     torch.cuda.set_device(ids[0])
+    x = torch.randn(8, 4, device=f"cuda:{ids[0]}")
     streams = {d: torch.cuda.current_stream(d) for d in set(ids)}
+    rng = {d: torch.cuda.get_rng_state(d) for d in set(ids)}
     with pytest.raises(RuntimeError, match="capturing the replicas' forward and backward"):
-        dp(torch.randn(8, 4, device=f"cuda:{ids[0]}"))
+        dp(x)
     assert torch.cuda.current_device() == ids[0]
     assert {d: torch.cuda.current_stream(d) for d in set(ids)} == streams
+    # The random number generators work and are where they were.
+    for d in set(ids):
+        assert torch.equal(torch.cuda.get_rng_state(d), rng[d])
+        torch.randn(3, device=f"cuda:{d}")
+    # The module still trains eagerly.
+    eager = torchdp.DataParallel(net, devices=_devices(ids))
+    eager(x).sum().backward()
+    assert all(p.grad is not None for p in net.parameters())

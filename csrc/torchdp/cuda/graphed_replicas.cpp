@@ -557,6 +557,15 @@ std::shared_ptr<Capture> GraphedReplicas::State::capture(
     record(*capture, call, n);
   } catch (const std::exception& e) {
     at::autocast::set_autocast_cache_enabled(cache);
+    // A capture that fails before its end leaves the default generators in capture mode (every
+    // later random op would raise): each gets a fresh state, at the state before the capture.
+    for (const auto& [index, state] : rng) {
+      auto fresh = at::cuda::detail::createCUDAGenerator(index);
+      fresh.set_state(state);
+      auto gen = at::cuda::detail::getDefaultCUDAGenerator(index);
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      gen.graphsafe_set_state(fresh);
+    }
     TORCH_CHECK(false, kApi,
                 ": capturing the replicas' forward and backward as CUDA graphs failed: ", e.what(),
                 "\nThe forward must be capturable (no synchronisation with the CPU such as "
