@@ -329,13 +329,18 @@ TEST_CASE("CUDA graphs: two replicas on one GPU train like the eager DataParalle
 namespace {
 
 // A forward that synchronises with the CPU, which a CUDA graph cannot capture.
-struct SyncingImpl : torch::nn::Module {
-  SyncingImpl() : fc(register_module("fc", torch::nn::Linear(4, 4))) {}
+struct SyncingImpl : torch::nn::Cloneable<SyncingImpl> {
+  SyncingImpl() {
+    reset();
+  }
+  void reset() override {
+    fc = register_module("fc", torch::nn::Linear(4, 4));
+  }
   torch::Tensor forward(const torch::Tensor& x) {
     auto y = fc(x);
     return y * (y.abs().max().item<float>() > 0 ? 1.0 : 0.0);
   }
-  torch::nn::Linear fc;
+  torch::nn::Linear fc{nullptr};
 };
 TORCH_MODULE(Syncing);
 
