@@ -687,6 +687,14 @@ def _check_output(out: Any, j: int, device: torch.device) -> None:
                 "the type with torch.utils._pytree.register_pytree_node (dataclasses: "
                 "torch.utils._pytree.register_dataclass), or use cuda_graphs=False"
             )
+        if isinstance(leaf, torch.Tensor) and leaf.device != device:
+            # A capture would hold a copy between devices, made on a stream it does not capture.
+            raise RuntimeError(
+                f"{_API}: the forward of replica {j} on {device} returned a tensor on "
+                f"{leaf.device}; in this mode each replica's outputs must stay on its device "
+                "(the gather moves them). Return it on the replica's device, or use "
+                "cuda_graphs=False"
+            )
 
 
 def _is_tensor(x: Any) -> bool:

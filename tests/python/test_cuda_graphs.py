@@ -442,3 +442,22 @@ def test_a_failed_capture_leaves_device_and_streams_as_they_were(ids):
     eager = torchdp.DataParallel(net, devices=_devices(ids))
     eager(x).sum().backward()
     assert all(p.grad is not None for p in net.parameters())
+
+
+class OutputElsewhere(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x).cpu()
+
+
+@pytest.mark.parametrize("ids", device_lists())
+def test_outputs_on_another_device_are_refused(ids):
+    torch.manual_seed(0)
+    net = OutputElsewhere().cuda(ids[0])
+    dp = torchdp.DataParallel(net, devices=_devices(ids), cuda_graphs=True)
+    with pytest.raises(RuntimeError, match=r"returned a tensor on cpu; in this mode each replica"):
+        dp(torch.randn(8, 4, device=f"cuda:{ids[0]}"))
+    assert _graphed(dp).captures_made == 0
