@@ -644,6 +644,8 @@ struct BroadcastBackward : Node {
     if (side_streams_[0]) {
       node_stream = current_stream(source_);
       order_side_streams(*node_stream);
+    } else {
+      order_current_streams();
     }
     std::vector<c10::Stream> side;
     for (const auto& stream : side_streams_) {
@@ -691,6 +693,29 @@ struct BroadcastBackward : Node {
       }
     }
     return result;
+  }
+
+  // Without side streams (one bucket, or a device list that is not all CUDA) the reduction runs
+  // on each device's current stream of this thread, the default stream for the other devices;
+  // the engine made only the node's stream wait for the gradients, which the replicas may have
+  // produced on other streams (a caller's stream of their device): the other CUDA devices'
+  // current streams wait for the node's stream, which covers them.
+  void order_current_streams() const {
+    if (!source_.is_cuda()) {
+      return;
+    }
+    c10::Event all_ready(source_.type());
+    bool recorded = false;
+    for (const auto& device : devices_) {
+      if (!device.is_cuda() || device == source_) {
+        continue;
+      }
+      if (!recorded) {
+        all_ready.record(current_stream(source_));
+        recorded = true;
+      }
+      current_stream(device).wait(all_ready);
+    }
   }
 
   // Makes every side stream wait for the gradients of the bucket: the engine only made the
