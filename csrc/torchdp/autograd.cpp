@@ -647,9 +647,11 @@ struct BroadcastBackward : Node {
     } else {
       order_current_streams();
     }
+    // Each stream once: a device listed twice (two replicas on one GPU) would make the guard
+    // restore that device's stream to the side stream itself.
     std::vector<c10::Stream> side;
     for (const auto& stream : side_streams_) {
-      if (stream) {
+      if (stream && std::find(side.begin(), side.end(), *stream) == side.end()) {
         side.push_back(*stream);
       }
     }
