@@ -54,6 +54,11 @@ from torchdp.replicate import replicate
 
 _API = "torchdp.DataParallel(cuda_graphs=True)"
 _WARMUP = 3
+# Only this thread's unsafe CUDA calls may break a capture: in the default "global" mode a call
+# from any other thread (a DataLoader's pin-memory thread allocating pinned memory) invalidates it.
+# The backward is captured on the autograd engine's threads, whose kernels go to the capturing
+# stream and are captured whatever their thread's mode.
+_CAPTURE_MODE = "thread_local"
 MAX_SIGNATURES = 8
 
 
@@ -602,7 +607,9 @@ class GraphedReplicas:
                 # device that was current when it was first used).
                 stream = torch.cuda.Stream(device)
                 forward = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(forward, pool=pool, stream=stream):
+                with torch.cuda.graph(
+                    forward, pool=pool, stream=stream, capture_error_mode=_CAPTURE_MODE
+                ):
                     out = self._call(module, capture, j)
                 out_leaves, out_spec = tree_flatten(out)
                 capture.forward_graphs.append(forward)
@@ -618,7 +625,9 @@ class GraphedReplicas:
                 params = self._grad_params(j)
                 wrt = self._wrt(capture, j)
                 backward = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(backward, pool=pool, stream=stream):
+                with torch.cuda.graph(
+                    backward, pool=pool, stream=stream, capture_error_mode=_CAPTURE_MODE
+                ):
                     if outs and wrt:
                         grads = torch.autograd.grad(
                             outs, wrt, grad_outputs=grad_out, allow_unused=True

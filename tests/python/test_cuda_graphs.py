@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import threading
 import warnings
 
 import pytest
@@ -461,3 +462,41 @@ def test_outputs_on_another_device_are_refused(ids):
     with pytest.raises(RuntimeError, match=r"returned a tensor on cpu; in this mode each replica"):
         dp(torch.randn(8, 4, device=f"cuda:{ids[0]}"))
     assert _graphed(dp).captures_made == 0
+
+
+class PinsMidForward(nn.Module):
+    """Another thread allocates pinned host memory while the forward runs (a DataLoader's
+    pin-memory thread doing so during a capture)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.pinned: list[torch.Tensor] = []  # kept, so no cached block is free for the next
+
+    def forward(self, x):
+        errors = []
+
+        def pin():
+            try:
+                self.pinned.append(torch.empty(1 << 16, dtype=torch.uint8, pin_memory=True))
+            except Exception as e:  # noqa: BLE001 - re-raised on this thread
+                errors.append(e)
+
+        thread = threading.Thread(target=pin)
+        thread.start()
+        thread.join()
+        if errors:
+            raise errors[0]
+        return self.fc(x)
+
+
+@pytest.mark.parametrize("ids", device_lists())
+def test_other_threads_cuda_calls_do_not_break_a_capture(ids):
+    # Captures use the thread-local capture mode: in the global mode the other thread's pinned
+    # allocation would invalidate the capture (and fail in that thread).
+    net, ref, graphed, eager = _pair(PinsMidForward, ids)
+    x = torch.randn(8, 4, device=f"cuda:{ids[0]}")
+    graphed(x).sum().backward()
+    eager(x).sum().backward()
+    _assert_same_module_state(net, ref)
+    assert _graphed(graphed).captures_made == 1

@@ -139,6 +139,12 @@ void wait_for(const c10::cuda::CUDAStream& stream, const c10::cuda::CUDAStream& 
   event.block(stream);
 }
 
+// Only this thread's unsafe CUDA calls may break a capture: in the default global mode a call from
+// any other thread (a data loader allocating pinned memory) invalidates it. The backward is
+// captured on the autograd engine's threads, whose kernels go to the capturing stream and are
+// captured whatever their thread's mode.
+constexpr cudaStreamCaptureMode kCaptureMode = cudaStreamCaptureModeThreadLocal;
+
 // Ends a capture whose recording threw, so that the stream and the allocator leave capture mode
 // (the graph is discarded; ending an invalidated capture may report an error of its own).
 void end_failed_capture(at::cuda::CUDAGraph& graph) {
@@ -425,7 +431,7 @@ void GraphedReplicas::State::record(Capture& capture, const Call& call, size_t n
     const auto stream = c10::cuda::getStreamFromPool(false, devices[j].index());
     c10::cuda::CUDAStreamGuard stream_guard(stream);
     auto forward = std::make_unique<at::cuda::CUDAGraph>();
-    forward->capture_begin(at::cuda::graph_pool_handle());
+    forward->capture_begin(at::cuda::graph_pool_handle(), kCaptureMode);
     at::Tensor out;
     try {
       auto args = capture.static_in[j];
@@ -454,7 +460,7 @@ void GraphedReplicas::State::record(Capture& capture, const Call& call, size_t n
       if (needs_grad) {
         grad_out = at::empty_like(out);
       }
-      backward->capture_begin(forward->pool());
+      backward->capture_begin(forward->pool(), kCaptureMode);
       try {
         variable_list grads(wrt.size());
         if (needs_grad && !wrt.empty()) {
