@@ -9,12 +9,15 @@ This module also holds the small device helpers the other modules of the package
 
 from __future__ import annotations
 
+import cmath
+import enum
 import operator
 import warnings
 from collections.abc import Sequence
 from typing import Any, TypeVar, overload
 
 import torch
+from torch.utils import _pytree
 
 from torchdp import _C
 
@@ -240,6 +243,28 @@ class _GatherTarget:
             self.device = _to_device(target_device, "torchdp.gather")
 
 
+# Leaves other than tensors that gather passes through when every replica returned an equal one.
+GATHER_CONSTANTS = (
+    bool,
+    int,
+    float,
+    complex,
+    str,
+    bytes,
+    torch.dtype,
+    torch.device,
+    torch.layout,
+    torch.memory_format,
+    enum.Enum,
+)
+
+
+def _same_constant(a: Any, b: Any) -> bool:
+    if isinstance(a, (float, complex)) and cmath.isnan(a) and cmath.isnan(b):  # NaN equals NaN
+        return True
+    return bool(a == b)
+
+
 def _gather_map(outputs: Sequence[Any], target: _GatherTarget, dim: int) -> Any:
     out = outputs[0]
     if isinstance(out, torch.Tensor):
@@ -253,17 +278,41 @@ def _gather_map(outputs: Sequence[Any], target: _GatherTarget, dim: int) -> Any:
         return _C.gather(list(outputs), target.device, dim, True)
     if out is None:
         return None
-    if isinstance(out, (str, bytes)) or not hasattr(out, "__iter__"):
+    if isinstance(out, GATHER_CONSTANTS):
         # A constant (a tag, a flag, a number): the value itself when every replica returned an
         # equal one. PyTorch fails here with "'float' object is not iterable", or turns strings
         # into the text of a map object.
-        if all(type(o) is type(out) and o == out for o in outputs):
+        if all(type(o) is type(out) and _same_constant(o, out) for o in outputs):
             return out
         raise TypeError(
             f"torchdp.gather: replica outputs of type {type(out).__qualname__} differ between "
             f"replicas ({', '.join(f'{o!r:.30}' for o in outputs)}) and cannot be concatenated; "
             "return tensors instead (e.g. torch.tensor(value)), or use torchdp.DataParallel "
             "with gather_output=False to get the per-replica outputs as they are"
+        )
+    node = _pytree.SUPPORTED_NODES.get(type(out))
+    if node is not None and not isinstance(out, (dict, list, tuple)):
+        # A type registered with torch.utils._pytree (register_dataclass, model-output classes):
+        # its children are gathered one by one and the object is rebuilt from them.
+        flat = [node.flatten_fn(o) if type(o) is type(out) else None for o in outputs]
+        if any(f is None or f[1] != flat[0][1] for f in flat):
+            raise TypeError(
+                f"torchdp.gather: the replicas' {type(out).__qualname__} outputs differ in type "
+                "or structure; every replica must return the same structure"
+            )
+        children = [_gather_map(group, target, dim) for group in zip(*(f[0] for f in flat))]
+        return node.unflatten_fn(children, flat[0][1])
+    if not hasattr(out, "__iter__"):
+        # Any other object (a dataclass, a model-output class): comparing such objects says
+        # nothing about the tensors inside them, and replica 0's object would silently drop the
+        # others' tensors (and their gradients). PyTorch fails here too.
+        raise TypeError(
+            f"torchdp.gather: a replica output holds a {type(out).__module__}."
+            f"{type(out).__qualname__} object, which gather cannot take apart; return tensors, "
+            "tuples, lists, dicts or named tuples of them, register its type with "
+            "torch.utils._pytree (a dataclass: torch.utils._pytree.register_dataclass), or use "
+            "torchdp.DataParallel with gather_output=False to get the per-replica outputs as they "
+            "are"
         )
     if isinstance(out, dict):
         if not all(len(out) == len(d) for d in outputs):

@@ -244,6 +244,49 @@ def test_gather_of_outputs_that_are_not_tensors_is_an_error():
     # None, containers and named tuples are still fine.
     assert torchdp.gather([None, None], CPU) is None
     assert torchdp.gather([[t], [t]], CPU)[0].shape == (4,)
+    # NaN is equal to itself here; dtypes and enum members are constants too.
+    both = torchdp.gather([(t, float("nan"), torch.float16)] * 2, CPU)
+    assert both[1] != both[1] and both[2] is torch.float16
+
+
+@dataclass
+class ModelOut:
+    loss: torch.Tensor
+    logits: torch.Tensor
+
+
+def test_gather_refuses_objects_it_cannot_take_apart():
+    # Comparing such objects says nothing about their tensors: replica 0's object would drop the
+    # others' tensors (and gradients). PyTorch fails on them too.
+    w = torch.ones(2, requires_grad=True)
+    outs = [ModelOut(w.sum(), w * 1), ModelOut(w.sum(), w * 2)]  # equal losses
+    with pytest.raises(
+        TypeError, match=r"holds a .*ModelOut object, which gather cannot take"
+    ) as e:
+        torchdp.gather(outs, CPU)
+    assert "register_dataclass" in str(e.value) and "gather_output=False" in str(e.value)
+
+
+def test_gather_takes_apart_types_registered_with_pytree():
+    from torch.utils import _pytree
+
+    @dataclass
+    class Registered:
+        loss: torch.Tensor
+        logits: torch.Tensor
+
+    _pytree.register_dataclass(Registered)
+    w = torch.ones(2, requires_grad=True)
+    with pytest.warns(UserWarning, match="scalars"):  # the losses: 0-dim tensors
+        out = torchdp.gather([Registered(w.sum(), w * 1), Registered(w.sum(), w * 2)], CPU)
+    assert isinstance(out, Registered)
+    assert torch.equal(out.logits, torch.tensor([1.0, 1.0, 2.0, 2.0]))
+    with pytest.warns(UserWarning, match="scalars"):
+        out = torchdp.gather([Registered(w.sum(), w), Registered(w.sum(), w)], CPU)
+    out.loss.sum().backward()  # both replicas' losses reach w
+    assert torch.equal(w.grad, torch.full((2,), 2.0))
+    with pytest.raises(TypeError, match="differ in type or structure"):
+        torchdp.gather([Registered(w.sum(), w), ModelOut(w.sum(), w)], CPU)
 
 
 def test_scatter_rejects_bad_targets():
