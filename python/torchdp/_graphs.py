@@ -37,7 +37,6 @@ refresh the tensors inside them).
 
 from __future__ import annotations
 
-import enum
 import warnings
 import weakref
 from collections import OrderedDict
@@ -51,6 +50,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from torchdp._attributes import internal_keys
 from torchdp.replicate import replicate
+from torchdp.scatter_gather import GATHER_CONSTANTS
 
 _API = "torchdp.DataParallel(cuda_graphs=True)"
 _WARMUP = 3
@@ -665,21 +665,7 @@ class GraphedReplicas:
 
 
 # Output leaves other than tensors that a replay may hand back as they were at the capture.
-_CONSTANT_TYPES = (
-    type(None),
-    bool,
-    int,
-    float,
-    complex,
-    str,
-    bytes,
-    torch.dtype,
-    torch.device,
-    torch.layout,
-    torch.memory_format,
-    torch.Size,
-    enum.Enum,
-)
+_CONSTANT_TYPES = (type(None), torch.Size, *GATHER_CONSTANTS)
 
 
 def _check_output(out: Any, j: int, device: torch.device) -> None:
