@@ -25,7 +25,8 @@ from torchdp.scatter_gather import DeviceLike, _check_dim, _to_device, gather, s
 __all__ = ["DataParallelCriterion"]
 
 _API = "torchdp.DataParallelCriterion"
-_REDUCTIONS = ("mean", "sum", "none")
+# "batchmean" (nn.KLDivLoss): each replica's sum over its chunk's batch size, combined like "mean".
+_REDUCTIONS = ("mean", "batchmean", "sum", "none")
 
 
 class DataParallelCriterion(nn.Module):
@@ -41,7 +42,9 @@ class DataParallelCriterion(nn.Module):
 
     * ``"mean"``: the average weighted by the number of samples of each chunk (the batch mean
       when every sample weighs the same in the criterion; with ``ignore_index`` or class weights
-      the replicas' means are still weighted by samples, not by their total weight);
+      the replicas' means are still weighted by samples, not by their total weight); ``"batchmean"``
+      (``nn.KLDivLoss``) is combined the same way, which gives the whole batch's value; an empty
+      batch gives NaN, as the criterion does;
     * ``"sum"``: the sum;
     * ``"none"``: the per-sample losses concatenated along :attr:`dim`.
 
@@ -51,8 +54,12 @@ class DataParallelCriterion(nn.Module):
             (default: the device of the first output).
         dim (int): the dimension the batch was split along (the ``dim`` of the DataParallel).
             Default: ``0``.
-        reduction (str, keyword-only, optional): ``"mean"``, ``"sum"`` or ``"none"``; by default
-            the criterion's own ``reduction`` attribute, else ``"mean"``.
+        reduction (str, keyword-only, optional): ``"mean"``, ``"batchmean"``, ``"sum"`` or
+            ``"none"``; by default the criterion's own ``reduction`` attribute, else ``"mean"``.
+        check_targets (bool, keyword-only, optional): refuse target chunks whose size along
+            :attr:`dim` differs from their output's (a target batch of another size than the
+            inputs'). Turn it off for outputs whose batch dimension is flattened with another one
+            (``logits.view(-1, vocab)`` with targets of shape ``(batch, seq)``). Default: ``True``.
 
     Example::
 
@@ -69,6 +76,7 @@ class DataParallelCriterion(nn.Module):
         dim: int = 0,
         *,
         reduction: str | None = None,
+        check_targets: bool = True,
     ) -> None:
         super().__init__()
         if not callable(criterion):
@@ -89,6 +97,7 @@ class DataParallelCriterion(nn.Module):
             _C.normalize_devices([self.output_device], f"{_API} (output_device)")
         self.dim = _check_dim(dim, _API)
         self.reduction = reduction
+        self.check_targets = bool(check_targets)
 
     def _criteria(self, devices: list[torch.device]) -> list[Callable[..., Any]]:
         """The criterion for each device: replicated when it holds tensors (class weights...)."""
@@ -136,7 +145,8 @@ class DataParallelCriterion(nn.Module):
                     f"{self.dim} (batch size {sizes[0] if sizes else '?'}), but there are {n} "
                     "outputs; pass targets with the same batch size as the inputs"
                 )
-            _check_target_sizes(outputs, split_targets, split_kwargs, self.dim)
+            if self.check_targets:
+                _check_target_sizes(outputs, split_targets, split_kwargs, self.dim)
         else:
             split_targets, split_kwargs = ((),) * n, ({},) * n
         criteria = self._criteria(devices)
@@ -167,7 +177,9 @@ class DataParallelCriterion(nn.Module):
         counts = [_batch_size(tgt, out, self.dim) for tgt, out in zip(split_targets, outputs)]
         total = float(sum(counts))
         # Python-scalar weights: no host-to-device copy, which would wait for the GPU every step.
-        return torch.stack([loss * (c / total) for loss, c in zip(moved, counts)]).sum()
+        # An empty batch: every replica's loss is the criterion's value for no samples (NaN).
+        weights = [c / total for c in counts] if total else [1.0 / n] * n
+        return torch.stack([loss * w for loss, w in zip(moved, weights)]).sum()
 
 
 def _check_target_sizes(
@@ -190,7 +202,9 @@ def _check_target_sizes(
                     f"{_API}: replica {i}'s target chunk has {t.shape[dim]} samples along dim "
                     f"{dim} but its output has {o.shape[dim]} (outputs per replica: {out_sizes}, "
                     f"{sum(s for s in out_sizes if s is not None)} in all); pass targets with the "
-                    "same batch size as the inputs of the DataParallel forward"
+                    "batch size of the DataParallel forward's inputs, or, when the outputs' batch "
+                    "dimension is flattened with another one (logits.view(-1, vocab)), "
+                    "check_targets=False"
                 )
 
 

@@ -140,6 +140,50 @@ def test_targets_with_another_batch_size_are_refused():
     torch.testing.assert_close(crit(outputs, t), expected)
 
 
+class FlatLM(nn.Module):
+    """Returns its logits with the batch dimension flattened with the sequence one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(11, 6)
+
+    def forward(self, tokens):
+        return self.emb(tokens).view(-1, 6)
+
+
+def test_flattened_outputs_pass_with_check_targets_off():
+    torch.manual_seed(0)
+    net = FlatLM()
+    tokens, targets = torch.randint(0, 11, (4, 5)), torch.randint(0, 6, (4, 5))
+    expected = nn.functional.cross_entropy(net(tokens), targets.reshape(-1))
+    dp = torchdp.DataParallel(net, devices=cpu_devices(2), gather_output=False)
+
+    def loss(o, t):
+        return nn.functional.cross_entropy(o, t.reshape(-1))
+
+    with pytest.raises(ValueError, match=r"check_targets=False"):
+        torchdp.DataParallelCriterion(loss)(dp(tokens), targets)
+    crit = torchdp.DataParallelCriterion(loss, check_targets=False)
+    torch.testing.assert_close(crit(dp(tokens), targets), expected)
+
+
+def test_batchmean_and_empty_batches():
+    torch.manual_seed(0)
+    net = nn.Linear(3, 4)
+    x, t = torch.randn(6, 3), torch.softmax(torch.randn(6, 4), 1)
+    kl = nn.KLDivLoss(reduction="batchmean")
+    expected = kl(torch.log_softmax(net(x), 1), t)
+    dp = torchdp.DataParallel(net, devices=cpu_devices(2), gather_output=False)
+    crit = torchdp.DataParallelCriterion(lambda o, tt: kl(torch.log_softmax(o, 1), tt))
+    assert torchdp.DataParallelCriterion(kl).reduction == "batchmean"
+    crit.reduction = "batchmean"
+    torch.testing.assert_close(crit(dp(x), t), expected)
+    # An empty batch gives the criterion's own value for no samples (NaN), not an error.
+    mse = nn.MSELoss()
+    empty = torchdp.DataParallelCriterion(mse)(dp(torch.randn(0, 3)), torch.randn(0, 4))
+    assert torch.isnan(empty) and torch.isnan(mse(net(torch.randn(0, 3)), torch.randn(0, 4)))
+
+
 def test_criterion_argument_checks():
     with pytest.raises(TypeError, match="torchdp.DataParallelCriterion: dim must be an int"):
         torchdp.DataParallelCriterion(nn.MSELoss(), dim="a")
