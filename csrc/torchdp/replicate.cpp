@@ -461,4 +461,14 @@ std::vector<std::shared_ptr<Module>> replicate(const std::shared_ptr<Module>& mo
   return replicator->replicate(devices, detach);
 }
 
+void clear_replica_cache() {
+  std::unordered_map<const Module*, GlobalCache::Entry> dropped;
+  {
+    auto& cache = global_cache();
+    std::lock_guard<std::mutex> lock(cache.mutex);
+    dropped.swap(cache.entries);
+  }
+  // Destroyed here, outside the lock (a skeleton's destructor may run arbitrary module code).
+}
+
 } // namespace torchdp

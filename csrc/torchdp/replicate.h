@@ -72,6 +72,12 @@ std::vector<std::shared_ptr<torch::nn::Module>> replicate(
     const std::shared_ptr<torch::nn::Module>& module, const std::vector<c10::Device>& devices,
     bool detach = false);
 
+/// Drops the replica skeletons that replicate() and data_parallel() cache per module. They hold
+/// the last call's copies on every device and, through their autograd edges, the module's own
+/// parameters; a destroyed module's entry is otherwise dropped only at the next replicate() or
+/// data_parallel() call. (torchdp::DataParallel keeps its own skeletons, freed with it.)
+void clear_replica_cache();
+
 /// Typed form: the replicas as the module's own type.
 template <typename ModuleType,
           typename = std::enable_if_t<!std::is_same_v<ModuleType, torch::nn::Module>>>

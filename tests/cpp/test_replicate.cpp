@@ -283,3 +283,22 @@ TEST_CASE("a Replicator does not keep its module alive", "[cpu][replicate]") {
   TORCHDP_CHECK_THROWS_WITH(replicator.replicate(cpu_devices(2)), "torchdp::replicate",
                             "destroyed");
 }
+
+TEST_CASE("clear_replica_cache releases what the cache keeps of a destroyed module",
+          "[cpu][replicate]") {
+  // The functional API caches skeletons per module; they keep the module's parameters alive
+  // through their autograd edges until the next call, or until clear_replica_cache().
+  torch::nn::Linear lin(3, 4);
+  const c10::weak_intrusive_ptr<c10::TensorImpl> weight(lin->weight.getIntrusivePtr());
+  {
+    auto replicas = torchdp::replicate(lin, cpu_devices(2));
+    replicas[1]->forward(torch::randn({2, 3})).sum().backward();
+  }
+  lin = torch::nn::Linear(nullptr); // the module is gone
+  CHECK_FALSE(weight.expired());    // the cached skeletons still hold it
+  torchdp::clear_replica_cache();
+  CHECK(weight.expired());
+  // The functional API works on after a clear.
+  torch::nn::Linear other(3, 4);
+  CHECK(torchdp::replicate(other, cpu_devices(2)).size() == 2);
+}
