@@ -4,6 +4,7 @@
 #include <torchdp/profiling.h>
 #include <torchdp/replicate.h>
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
 #include <c10/util/irange.h>
@@ -104,8 +105,30 @@ void align(const Module& original, Module& replica, const std::string& path,
   }
 }
 
+// Keeps the default CPU generator's state across its scope: Cloneable::clone() runs reset(),
+// which initialises the skeleton's parameters from it (their values are overwritten at once), and
+// building replicas must not move the caller's random number stream.
+class CpuRngGuard {
+ public:
+  CpuRngGuard() : gen_(at::detail::getDefaultCPUGenerator()) {
+    std::lock_guard<std::mutex> lock(gen_.mutex());
+    state_ = gen_.get_state();
+  }
+  ~CpuRngGuard() {
+    std::lock_guard<std::mutex> lock(gen_.mutex());
+    gen_.set_state(state_);
+  }
+  CpuRngGuard(const CpuRngGuard&) = delete;
+  CpuRngGuard& operator=(const CpuRngGuard&) = delete;
+
+ private:
+  at::Generator gen_;
+  at::Tensor state_;
+};
+
 std::shared_ptr<Module> clone_skeleton(const Replicator::CloneFn& clone, const Module& original) {
   try {
+    const CpuRngGuard keep_rng;
     auto copy = clone();
     TORCH_CHECK(copy != nullptr, "clone() returned null");
     return copy;

@@ -302,3 +302,18 @@ TEST_CASE("clear_replica_cache releases what the cache keeps of a destroyed modu
   torch::nn::Linear other(3, 4);
   CHECK(torchdp::replicate(other, cpu_devices(2)).size() == 2);
 }
+
+TEST_CASE("building replicas leaves the random number stream alone", "[cpu][replicate]") {
+  // Skeletons are made with clone(), whose reset() initialises parameters from the default
+  // generator; the caller's next random numbers must not depend on whether one was built.
+  torch::nn::Linear lin(3, 4);
+  torch::manual_seed(7);
+  const auto expected = torch::rand({5});
+  torch::manual_seed(7);
+  auto replicas = torchdp::replicate(lin, cpu_devices(3)); // builds three skeletons
+  CHECK(torch::equal(torch::rand({5}), expected));
+  lin->eval(); // a training-flag change rebuilds them
+  torch::manual_seed(7);
+  replicas = torchdp::replicate(lin, cpu_devices(3));
+  CHECK(torch::equal(torch::rand({5}), expected));
+}
