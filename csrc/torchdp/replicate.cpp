@@ -11,6 +11,7 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include <mutex>
+#include <typeinfo>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -66,6 +67,9 @@ void walk(Module& m, const std::string& path, Walk& w, std::unordered_set<const 
   w.signature += path;
   w.signature += '|';
   w.signature += std::to_string(reinterpret_cast<uintptr_t>(&m));
+  // The type too: a module replaced by one of another type at a freed address must not be served
+  // the old one's skeleton.
+  w.signature += typeid(m).name();
   w.signature += m.is_training() ? "T" : "E";
   for (const auto& p : m.named_parameters(/*recurse=*/false)) {
     w.specs.push_back(SlotSpec{pos, p.key(), true});
