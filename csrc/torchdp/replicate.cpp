@@ -194,6 +194,14 @@ ReplicaSet build(const Walk& w, const std::vector<c10::Device>& devices,
         clear_leaf_requires_grad(slots[s]);
       }
     }
+    // The clone's own copies of the tensors are replaced at the first rebind: freed now, so that
+    // building n skeletons never holds n copies of the module on its device at once.
+    for (auto& slot : slots) {
+      if (slot.defined()) {
+        slot.unsafeGetTensorImpl()->shallow_copy_from(
+            at::empty({0}, slot.options()).getIntrusivePtr());
+      }
+    }
     // Training flags: pre-order, so each module ends with its own original's flag.
     for (const auto p : c10::irange(w.positions.size())) {
       modules[p]->train(w.positions[p].original->is_training());

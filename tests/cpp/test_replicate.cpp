@@ -317,3 +317,30 @@ TEST_CASE("building replicas leaves the random number stream alone", "[cpu][repl
   replicas = torchdp::replicate(lin, cpu_devices(3));
   CHECK(torch::equal(torch::rand({5}), expected));
 }
+
+TEST_CASE("a skeleton's own tensors are freed as soon as it is built", "[cpu][replicate]") {
+  // clone() copies every tensor of the module; those copies are replaced at the first rebind, so
+  // each is freed right after its skeleton is built (n skeletons never hold n copies at once).
+  torch::nn::Linear lin(64, 64);
+  std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> cloned;
+  torchdp::Replicator replicator(lin.ptr(),
+                                 [&lin, &cloned]() -> std::shared_ptr<torch::nn::Module> {
+                                   // Each earlier skeleton's copies are gone by the time the next
+                                   // one is cloned.
+                                   for (const auto& storage : cloned) {
+                                     CHECK(storage.expired());
+                                   }
+                                   auto copy = lin->clone();
+                                   for (const auto& p : copy->parameters()) {
+                                     cloned.emplace_back(p.storage().getWeakStorageImpl());
+                                   }
+                                   return copy;
+                                 });
+  auto replicas = replicator.replicate(cpu_devices(3));
+  CHECK(cloned.size() == 6);
+  for (const auto& storage : cloned) {
+    CHECK(storage.expired());
+  }
+  // The replicas themselves hold the broadcast copies.
+  CHECK(torch::equal(replicas[2]->parameters()[0], lin->weight));
+}
