@@ -106,6 +106,10 @@ std::vector<at::Tensor> DataParallelImpl::run(std::vector<at::Tensor> inputs, co
     TORCH_CHECK(inputs[k].dim() > 0, kApi, ": forward argument ", k,
                 " is a 0-dim tensor, which cannot be split along dim ", dim,
                 "; give it a batch dimension");
+    TORCH_CHECK_INDEX(dim >= -inputs[k].dim() && dim < inputs[k].dim(), kApi, ": dim ", dim,
+                      " (DataParallelOptions::dim) is out of range for forward argument ", k,
+                      " of shape ", inputs[k].sizes(), "; it must be in [", -inputs[k].dim(), ", ",
+                      inputs[k].dim() - 1, "], the dimension the batch is split along");
     chunks[k] = autograd::scatter(inputs[k], device_ids_, std::nullopt, dim);
     n = std::min(n, chunks[k].size());
   }

@@ -242,6 +242,12 @@ TEST_CASE("DataParallel rejects bad arguments with clear errors", "[cpu][data_pa
     TORCHDP_CHECK_THROWS_WITH(dp->forward(torch::ones({})), "torchdp::DataParallel",
                               "0-dim tensor");
   }
+  SECTION("a dim the input does not have") {
+    torchdp::DataParallel dp(linear, on(cpu_devices(2)).dim(2));
+    TORCHDP_CHECK_THROWS_WITH(dp->forward(torch::ones({4, 3})), "torchdp::DataParallel",
+                              "dim 2 (DataParallelOptions::dim) is out of range", "of shape [4, 3]",
+                              "[-2, 1]");
+  }
   SECTION("an empty device list for data_parallel") {
     TORCHDP_CHECK_THROWS_WITH(
         torchdp::data_parallel(linear, torch::ones({2, 3}), std::vector<torch::Device>{}),
