@@ -56,11 +56,17 @@ class ReplicaContext(types.SimpleNamespace):
 
 
 class _Entry:
-    __slots__ = ("id", "hook", "target_class", "target_ref", "description")
+    __slots__ = ("_hook", "_method_ref", "description", "id", "target_class", "target_ref")
 
     def __init__(self, hook_id: int, hook: Callable[..., Any], target: Any) -> None:
         self.id = hook_id
-        self.hook = hook
+        # A method of the target module itself is held weakly: held strongly it would keep the
+        # module alive, and the hook would never go away with it.
+        self._hook: Callable[..., Any] | None = hook
+        self._method_ref: weakref.WeakMethod | None = None
+        if not isinstance(target, type) and getattr(hook, "__self__", None) is target:
+            self._method_ref = weakref.WeakMethod(hook)
+            self._hook = None
         if isinstance(target, type):
             self.target_class: type | None = target
             self.target_ref: weakref.ref | None = None
@@ -71,6 +77,16 @@ class _Entry:
             kind = f"instance of {type(target).__qualname__}"
         self.description = f"post-replicate hook {_hook_name(hook)} (#{hook_id}, {kind})"
 
+    @property
+    def hook(self) -> Callable[..., Any]:
+        if self._method_ref is not None:
+            method = self._method_ref()
+            if method is None:  # its module is gone; the entry goes with it
+                return _no_op
+            return method
+        assert self._hook is not None
+        return self._hook
+
     def matches(self, module: nn.Module) -> bool:
         if self.target_class is not None:
             return isinstance(module, self.target_class)
@@ -78,10 +94,16 @@ class _Entry:
         return self.target_ref() is module
 
 
-_lock = threading.Lock()
+# Re-entrant: an instance hook's weakref callback (below) may run on a thread that holds the lock
+# already, when a garbage collection or the release of a removed entry frees its module.
+_lock = threading.RLock()
 _ids = itertools.count(1)
 # Registration order is the call order; dicts keep insertion order.
 _registry: dict[int, _Entry] = {}
+
+
+def _no_op(*_args: Any) -> None:
+    return None
 
 
 def _forget(hook_id: int) -> Callable[[Any], None]:

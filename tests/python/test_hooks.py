@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import gc
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +16,7 @@ from torch import nn
 import torchdp
 
 CPU = torch.device("cpu")
+REPO = Path(__file__).resolve().parents[2]
 META = torch.device("meta")
 
 
@@ -229,3 +234,53 @@ def test_handle_repr():
     assert "active" in repr(h)
     h.remove()
     assert "removed" in repr(h)
+
+
+_HOOK_LIFETIME_SCRIPT = r"""
+import gc, sys, weakref
+import torch, torchdp
+from torch import nn
+
+# 1. An instance hook that is a method of its own module: held weakly, so the module is freed with
+#    its last reference; removing the handle afterwards returns (its release frees nothing more).
+class Layer(nn.Linear):
+    def refresh(self, replica, original, device, index, ctx):
+        replica.refreshed = True
+
+m = Layer(4, 4)
+alive = weakref.ref(m)
+handle = torchdp.register_post_replicate_hook(m, m.refresh)
+replicas = torchdp.replicate(m, [torch.device("cpu")] * 2)
+assert replicas[1].refreshed
+del m, replicas
+gc.collect()
+assert alive() is None, "the hook kept its module alive"
+assert not handle.active
+handle.remove()
+
+# 2. Modules with instance hooks dying in cyclic collections while replicas are built (the
+#    registry's lock is held then): every forward finishes.
+cpu = torch.device("cpu")
+dp = torchdp.DataParallel(nn.Sequential(*[nn.Linear(4, 4) for _ in range(30)]), devices=[cpu, cpu])
+torchdp.register_post_replicate_hook(nn.Linear, lambda *a: None)
+gc.set_threshold(3, 1, 1)
+for _ in range(300):
+    tmp = nn.Linear(4, 4)
+    tmp.me = [tmp]
+    torchdp.register_post_replicate_hook(tmp, lambda *a: None)
+    del tmp
+    dp(torch.randn(4, 4))
+print("ok")
+"""
+
+
+def test_instance_hooks_do_not_keep_modules_alive_or_deadlock(tmp_path):
+    # A hang would be a deadlock in the registry: run it in a child process with a time limit.
+    script = tmp_path / "hook_lifetime.py"
+    script.write_text(_HOOK_LIFETIME_SCRIPT)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "python"), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stdout + proc.stderr
