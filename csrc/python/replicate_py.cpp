@@ -439,6 +439,25 @@ void wire_plain(const ModuleEntry& e, size_t j, const std::vector<py::list>& cop
 
 // Children, parameters and buffers of the other replicas, through setattr as PyTorch does, key by
 // key and device by device (see Note [Replica assignment and custom __setattr__]).
+// True when `stored` is `copy` or another tensor over exactly the same memory, shape, dtype and
+// gradient requirement (a __setattr__ that registers `value.detach().to(device)` keeps the copy's
+// values under a new object: nothing to repair).
+bool same_view(PyObject* stored, PyObject* copy) {
+  if (stored == copy) {
+    return true;
+  }
+  if (!THPVariable_Check(stored) || !THPVariable_Check(copy)) {
+    return false;
+  }
+  const auto& a = THPVariable_Unpack(stored);
+  const auto& b = THPVariable_Unpack(copy);
+  return a.defined() && b.defined() && a.device() == b.device() &&
+         a.scalar_type() == b.scalar_type() && a.sizes() == b.sizes() &&
+         a.strides() == b.strides() && a.requires_grad() == b.requires_grad() && a.has_storage() &&
+         b.has_storage() && a.storage().is_alias_of(b.storage()) &&
+         a.storage_offset() == b.storage_offset();
+}
+
 void wire_with_setattr(const ModuleEntry& e, size_t i, const std::vector<py::list>& copies,
                        const Network& net, const TensorCopies& tensors) {
   const auto& r = refs();
@@ -494,7 +513,8 @@ void wire_with_setattr(const ModuleEntry& e, size_t i, const std::vector<py::lis
       }
       py::setattr(replica, key, copy);
       replica_buffers = replica.attr("_buffers");
-      if (!replica_buffers.contains(key) || !py::object(replica_buffers[key]).is(copy)) {
+      if (!replica_buffers.contains(key) ||
+          !same_view(py::object(replica_buffers[key]).ptr(), copy.ptr())) {
         replica_buffers[key] = copy;
         warn_once(cls, py::str(key), "buffer");
       }

@@ -187,6 +187,37 @@ def test_masked_layer_replicated_on_cpu_and_meta():
     assert not [w for w in caught if cls.__name__ in str(w.message)]
 
 
+class DetachingMask(nn.Module):
+    """cplxmodule's fixed pattern: __setattr__ re-registers the mask as a detached alias on the
+    weight's device, a correct override (a new object over the replica's own copy)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(3, 4))
+        self.register_buffer("mask", torch.ones(3, 4))
+
+    def __setattr__(self, name, value):
+        if name == "mask":
+            self.register_buffer("mask", value.detach().to(self.weight.device, self.weight.dtype))
+        else:
+            super().__setattr__(name, value)
+
+    def forward(self, x):
+        return x @ (self.weight * self.mask).t()
+
+
+def test_a_setattr_that_stores_an_alias_of_the_copy_is_not_repaired():
+    layer = DetachingMask()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        r0, r1 = torchdp.replicate(layer, [CPU, META])
+    assert not [w for w in caught if "DetachingMask" in str(w.message)], [
+        str(w.message) for w in caught
+    ]
+    assert r1.mask.device.type == "meta" and r0.mask.device == CPU
+    assert layer.mask.device == CPU
+
+
 def test_masked_layer_trains_through_data_parallel_on_cpu():
     cls = _fresh_masked_class()
     layer = cls(4, 3)
