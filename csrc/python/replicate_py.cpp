@@ -347,25 +347,38 @@ struct TensorCopies {
   std::vector<py::list> params, rg_buffers, plain_buffers;             // per device
 
   py::handle param(size_t j, PyObject* original) const {
-    return params[j][param_index.at(original)];
+    const auto it = param_index.find(original);
+    if (it == param_index.end()) {
+      unlisted("parameter", "parameters()");
+    }
+    return params[j][it->second];
   }
   py::handle buffer(size_t j, PyObject* original) const {
-    const auto where = buffer_index.at(original);
+    const auto it = buffer_index.find(original);
+    if (it == buffer_index.end()) {
+      unlisted("buffer", "buffers()");
+    }
+    const auto where = it->second;
     return where.first ? rg_buffers[j][where.second] : plain_buffers[j][where.second];
+  }
+
+ private:
+  // PyTorch's replicate takes the tensors to copy from network.parameters() and buffers(); one
+  // that a module registers but those do not list has no copy (PyTorch fails with a KeyError).
+  [[noreturn]] static void unlisted(const char* kind, const char* method) {
+    TORCH_CHECK(false, kApi, ": a module registers a ", kind, " that the root module's ", method,
+                " does not list (does the root override ", method,
+                ", e.g. to yield only trainable parameters?). Replicate needs every registered ",
+                kind, ": keep nn.Module's ", method,
+                " and filter where the list is used (e.g. the optimizer's parameters)");
   }
 };
 
 // list(network.parameters()) and list(network.buffers()): from the modules' dicts when the walk
-// was exact and the root keeps nn.Module's accessors, otherwise from Python.
+// was exact (whatever the root's accessors: an override that lists fewer tensors, such as only the
+// trainable parameters, would leave registered ones without copies), otherwise from Python.
 std::pair<py::list, py::list> parameters_and_buffers(py::handle network, const Network& net) {
-  const auto& r = refs();
-  bool exact = net.dicts_ok;
-  py::handle type(reinterpret_cast<PyObject*>(Py_TYPE(network.ptr())));
-  for (const char* name :
-       {"parameters", "named_parameters", "buffers", "named_buffers", "_named_members"}) {
-    exact = exact && same_attribute(type, name, r.module_type.attr(name));
-  }
-  if (!exact) {
+  if (!net.dicts_ok) {
     return {py::list(network.attr("parameters")()), py::list(network.attr("buffers")())};
   }
   auto collect = [&](py::object ModuleEntry::*member) {

@@ -528,3 +528,39 @@ def test_replicate_leaves_garbage_collection_as_it_was():
     with pytest.raises(RuntimeError, match="is on meta but the replicas are built from"):
         torchdp.replicate(nn.Linear(2, 2, device="meta"), [CPU, CPU])
     assert gc.isenabled()
+
+
+class OnlyTrainable(nn.Module):
+    """parameters() overridden to yield only the trainable parameters (fine-tuning code)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = nn.Linear(4, 4).requires_grad_(False)
+        self.head = nn.Linear(4, 2)
+
+    def parameters(self, recurse=True):
+        return (p for p in super().parameters(recurse) if p.requires_grad)
+
+    def forward(self, x):
+        return self.head(self.backbone(x))
+
+
+class _ParamDict(dict):
+    """Not an exact dict: replicate then takes the tensors from parameters() as PyTorch does."""
+
+
+def test_a_root_whose_parameters_lists_fewer_tensors():
+    torch.manual_seed(0)
+    net = OnlyTrainable()
+    ref = OnlyTrainable()
+    ref.load_state_dict(net.state_dict())
+    x = torch.randn(8, 4)
+    torchdp.DataParallel(net, devices=cpu_devices(2))(x).pow(2).sum().backward()
+    ref(x).pow(2).sum().backward()
+    torch.testing.assert_close(net.head.weight.grad, ref.head.weight.grad)
+    assert net.backbone.weight.grad is None
+    # Where the modules' own dicts cannot be read directly, the missing tensor is named clearly.
+    odd = OnlyTrainable()
+    odd.backbone._parameters = _ParamDict(odd.backbone._parameters)
+    with pytest.raises(RuntimeError, match=r"registers a parameter that the root module's "):
+        torchdp.replicate(odd, cpu_devices(2))
