@@ -9,7 +9,7 @@ forward ("expected all tensors to be on the same device") or silently computes w
 original's modules.
 
 After the post-replicate hooks have run, this check looks at the plain attributes (and the
-lists, tuples and dicts in them) of every replica whose device is not the source device, and
+lists, tuples, dicts and deques in them) of every replica whose device is not the source device, and
 finds those two kinds of stale state. The policy says what happens:
 
 * ``"move"``: the replica gets its own copy of a stale tensor on its device (a differentiable
@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import threading
 import warnings
-from collections import OrderedDict
+import copy
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -111,11 +112,18 @@ class _Replica:
             if type(value) is tuple:
                 return tuple(items)
             return type(value)(*items)
-        if type(value) is dict or type(value) is OrderedDict:
+        if isinstance(value, dict):  # dict, OrderedDict, defaultdict, other subclasses
             pairs = [(k, self.fix(v, f"{where}[{k!r}]", depth + 1)) for k, v in value.items()]
             if all(new is value[k] for k, new in pairs):
                 return value
-            return type(value)(pairs)
+            fixed = copy.copy(value)  # the same class, default_factory and attributes
+            fixed.update(pairs)
+            return fixed
+        if isinstance(value, deque):
+            items = [self.fix(v, f"{where}[{i}]", depth + 1) for i, v in enumerate(value)]
+            if all(a is b for a, b in zip(items, value, strict=True)):
+                return value
+            return type(value)(items, maxlen=value.maxlen)
         return value
 
 
@@ -124,7 +132,7 @@ def _is_namedtuple(value: Any) -> bool:
 
 
 def _may_hold_state(value: Any) -> bool:
-    return isinstance(value, (torch.Tensor, nn.Module, list, tuple, dict))
+    return isinstance(value, (torch.Tensor, nn.Module, list, tuple, dict, deque))
 
 
 def _message(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import itertools
 import warnings
-from collections import OrderedDict
+from collections import OrderedDict, defaultdict, deque
 from typing import NamedTuple
 
 import pytest
@@ -83,6 +83,28 @@ def test_move_gives_each_replica_its_own_state():
 
     out = r1(torch.empty(3, 4, device=META))
     assert out.device == META and out.shape == (3, 4)
+
+
+def test_move_and_error_see_defaultdicts_and_deques():
+    net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    net.by_name = defaultdict(list, first=[net[0]])
+    net.recent = deque([net[1]], maxlen=3)
+    net.offsets = defaultdict(float, shift=torch.ones(4))
+    _, r1 = torchdp.replicate(net, [CPU, META], stale_attributes="move")
+    assert type(r1.by_name) is defaultdict and r1.by_name.default_factory is list
+    assert r1.by_name["first"][0] is r1[0]
+    assert type(r1.recent) is deque and r1.recent.maxlen == 3 and r1.recent[0] is r1[1]
+    assert r1.offsets["shift"].device == META
+    # The original's containers are untouched.
+    assert net.by_name["first"][0] is net[0] and net.recent[0] is net[1]
+    with pytest.raises(RuntimeError, match="attribute 'recent'"):
+        torchdp.replicate(_with_deque(), [CPU, META], stale_attributes="error")
+
+
+def _with_deque() -> nn.Module:
+    net = nn.Sequential(nn.Linear(2, 2))
+    net.recent = deque([net[0]])
+    return net
 
 
 def test_tensors_on_other_devices_are_left_alone():
