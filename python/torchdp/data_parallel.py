@@ -359,6 +359,17 @@ class DataParallel(_TorchDataParallel[T]):
                 if len(self.device_ids) == 1:
                     output = self.module(*inputs[0], **module_kwargs[0])
                     return output if self.gather_output else [output]
+                if len(module_kwargs) != len(inputs):
+                    # PyTorch's scatter_kwargs pads only when the keyword chunks are fewer than the
+                    # positional *arguments*; its parallel_apply then asserts. Same error, with the
+                    # cause.
+                    raise AssertionError(
+                        f"The number of modules {len(inputs)} is not equal to the number of "
+                        f"kwargs_tup {len(module_kwargs)}: the keyword arguments split into "
+                        f"{len(module_kwargs)} chunks along dim {self.dim} and the positional ones "
+                        f"into {len(inputs)}; give keyword tensors the same batch size as the "
+                        "positional inputs along that dim"
+                    )
                 replicas = self.replicate(self.module, self.device_ids[: len(inputs)])
                 outputs = self.parallel_apply(replicas, inputs, module_kwargs)
             if not self.gather_output:

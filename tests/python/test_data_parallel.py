@@ -512,3 +512,21 @@ def test_wrappers_pickled_before_the_new_options_still_run():
     assert restored.gather_output and not restored.serial_forward
     x = torch.randn(4, 4)
     torch.testing.assert_close(restored(x), restored.module(x))
+
+
+class WithMask(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+
+    def forward(self, x, mask=None):
+        return self.fc(x) if mask is None else self.fc(x) * mask
+
+
+def test_a_keyword_tensor_with_a_smaller_batch_names_the_cause():
+    # PyTorch's scatter_kwargs leaves fewer keyword chunks than replicas here and its
+    # parallel_apply asserts; torchdp raises the same AssertionError with the cause and the fix.
+    dp = torchdp.DataParallel(WithMask(), devices=cpu_devices(2))
+    with pytest.raises(AssertionError, match=r"kwargs_tup 1: the keyword arguments split into 1"):
+        dp(torch.randn(4, 3), mask=torch.ones(1, 3))
+    assert dp(torch.randn(4, 3), mask=torch.ones(4, 3)).shape == (4, 3)
