@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import operator
+import sys
 import warnings
 import weakref
 from collections.abc import Sequence
@@ -13,6 +14,7 @@ from typing import Any, TypeVar
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 from torch._utils import (
     _get_all_device_indices,
     _get_available_device_type,
@@ -419,12 +421,53 @@ class DataParallel(_TorchDataParallel[T]):
             inputs,
             kwargs,
             self.device_ids[: len(replicas)],
-            serial=self.serial_forward,
+            serial=self.serial_forward or self._first_compiled_call(inputs, kwargs),
         )
+
+    def _first_compiled_call(self, inputs: Sequence[Any], kwargs: Any) -> bool:
+        """True the first time a compiled module sees these inputs (shapes, dtypes, devices), its
+        training flag and grad mode. Replicas that meet a new signature together on worker threads
+        would each compile it (dynamo's guards fail across the threads' concurrent compiles), using
+        up its recompile limit with copies of one graph; run in order, the first compiles and the
+        others find its graph. Only the first few signatures (dynamo's default limit): beyond
+        them, dynamo no longer compiles per shape."""
+        if "torch._dynamo" not in sys.modules or not _holds_compiled(self.module):
+            return False
+        seen = self.__dict__.setdefault("_compiled_signatures", set())
+        if len(seen) >= _COMPILED_SIGNATURES:
+            return False
+        leaves = tree_flatten((list(inputs), list(kwargs) if kwargs else []))[0]
+        key = (
+            tuple(
+                (tuple(t.shape), t.dtype, t.device) if isinstance(t, torch.Tensor) else type(t)
+                for t in leaves
+            ),
+            self.module.training,
+            torch.is_grad_enabled(),
+        )
+        if key in seen:
+            return False
+        seen.add(key)
+        return True
 
     def gather(self, outputs: Any, output_device: int | torch.device) -> Any:
         """Concatenates the replicas' outputs on :attr:`output_device` along ``dim``."""
         return gather(outputs, output_device, dim=self.dim)
+
+
+# How many input signatures of a compiled module run their replicas in order the first time
+# (dynamo's default recompile limit per code object).
+_COMPILED_SIGNATURES = 8
+
+
+def _holds_compiled(module: nn.Module) -> bool:
+    """Whether ``module`` or a submodule is compiled (a torch.compile wrapper, or compiled in place
+    with ``module.compile()``)."""
+    optimized = getattr(sys.modules.get("torch._dynamo.eval_frame"), "OptimizedModule", ())
+    return any(
+        isinstance(m, optimized) or m.__dict__.get("_compiled_call_impl") is not None
+        for m in module.modules()
+    )
 
 
 def data_parallel(

@@ -224,3 +224,20 @@ def test_unreplicatable_compile_wrapper_is_refused_without_touching_the_original
         torchdp.replicate(wrapper, cpu_devices(2))
     assert net.__dict__.keys() == before.keys()
     assert all(net.__dict__[k] is v for k, v in before.items())
+
+
+@pytest.mark.parametrize("style", ["wrapper", "in_place"])
+def test_replicas_on_threads_compile_a_new_signature_once(style):
+    # Replicas meeting a new input shape together on worker threads would each compile it (and
+    # use up dynamo's recompile limit with copies of one graph); the first call of a signature runs
+    # them in order, later ones on the threads.
+    torch.manual_seed(0)
+    backend = CountingBackend()
+    dp = torchdp.DataParallel(compiled(style, Net(), backend), devices=cpu_devices(4))
+    per_step = []
+    for batch in (32, 32, 20, 20, 32):
+        before = (backend.compiles, backend.calls)
+        dp(torch.randn(batch, 8)).sum().backward()
+        per_step.append((backend.compiles - before[0], backend.calls - before[1]))
+    # One compile for each new shape (32, then 5 per replica); every replica runs compiled.
+    assert per_step == [(1, 4), (0, 4), (1, 4), (0, 4), (0, 4)], per_step
