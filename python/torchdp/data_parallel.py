@@ -241,12 +241,15 @@ class DataParallel(_TorchDataParallel[T]):
         >>> cpu_net = torchdp.DataParallel(model, devices=[torch.device("cpu")] * 2)
     """
 
-    # Class-level defaults, so that wrappers pickled before these options existed still load.
+    # Class-level defaults, so that wrappers pickled before these options existed still load (and
+    # torch.nn.DataParallel checkpoints unpickled while torchdp.patch_torch() is active).
     gather_output: bool = True
     serial_forward: bool = False
     bucket_cap_mb: float | None = None
     stale_attributes: str | None = None
     cuda_graphs: int = 0
+    _place_module: bool = False
+    _placed: bool = False
 
     def __init__(
         self,

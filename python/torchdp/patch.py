@@ -50,10 +50,14 @@ def _replacement(name: str) -> Any:
 
 
 def _apply() -> None:
+    # All or nothing: the targets are looked up first, so that a name missing from this torch
+    # release raises before anything is replaced.
+    found = []
     for module_name, attribute, ours in _TARGETS:
         module = _module(module_name)
+        found.append((module_name, attribute, module, getattr(module, attribute), ours))
+    for module_name, attribute, module, current, ours in found:
         replacement = _replacement(ours)
-        current = getattr(module, attribute)
         if current is not replacement:
             # Keep the first original seen (PyTorch's), even if someone replaced it since.
             _saved.setdefault((module_name, attribute), current)
@@ -121,7 +125,12 @@ def patch_torch() -> TorchPatch:
     ``scatter_kwargs``, ``gather``, ``parallel_apply``), so code that looks these names up at call
     time uses torchdp. Names bound earlier with ``from torch.nn.parallel import ...`` keep
     PyTorch's objects. Calling it again while a patch is active changes nothing and returns
-    another handle; the originals come back when every handle has been undone.
+    another handle; the originals come back when every handle has been undone. While it is
+    active, ``torch.nn.DataParallel`` is torchdp's class: instances of PyTorch's own class (made
+    before, or by code that kept its own reference) are not instances of it, and pickle cannot
+    save them by name (undo the patch first); names bound and subclasses defined while it is active
+    keep torchdp's class after the undo. If a name is missing from this torch release nothing is
+    replaced.
 
     Returns:
         :class:`TorchPatch`: ``undo()`` / ``remove()`` restores; usable as a context manager.

@@ -131,3 +131,27 @@ def test_repr():
     assert "active" in repr(handle)
     handle.undo()
     assert "undone" in repr(handle)
+
+
+def test_a_missing_target_replaces_nothing(monkeypatch):
+    patch_module = importlib.import_module("torchdp.patch")
+    targets = [*patch_module._TARGETS, ("torch.nn.parallel", "NoSuchName", torchdp.DataParallel)]
+    monkeypatch.setattr(patch_module, "_TARGETS", targets)
+    original = torch.nn.DataParallel
+    with pytest.raises(AttributeError, match="NoSuchName"):
+        torchdp.patch_torch()
+    assert torch.nn.DataParallel is original
+    assert not patch_module._saved
+
+
+def test_a_pytorch_checkpoint_unpickled_while_patched_gets_every_attribute():
+    import io
+    import pickle
+
+    buffer = io.BytesIO()
+    pickle.dump(torch.nn.DataParallel(nn.Linear(2, 2)), buffer)
+    with torchdp.patch_torch():
+        loaded = pickle.loads(buffer.getvalue())
+    assert isinstance(loaded, torchdp.DataParallel)
+    assert loaded._place_module is False and loaded._placed is False
+    assert loaded.gather_output is True and loaded(torch.ones(3, 2)).shape == (3, 2)
