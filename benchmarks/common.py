@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import math
 import os
 import platform
 import statistics
@@ -297,3 +298,28 @@ def gpu_counts(arg: str | None, available: int) -> list[int]:
     if too_many:
         sys.exit(f"--gpus asks for {too_many} GPUs but {available} are visible")
     return counts
+
+
+# ---- reading results (report.py, targets.py) ----------------------------------------------------
+
+
+def num(v: Any) -> float | None:
+    """A finite number from a record field, else None (booleans, missing values, NaN)."""
+    if isinstance(v, bool) or v is None:
+        return None
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return None
+    return f if math.isfinite(f) else None
+
+
+def fmt_x(v: Any) -> str:
+    """A ratio as "1.23x" ("—" when unknown)."""
+    f = num(v)
+    return "—" if f is None else f"{f:.2f}x"
+
+
+def failed(r: dict[str, Any]) -> bool:
+    """Whether a record is of a configuration that failed or was skipped."""
+    return bool(r.get("error")) or bool(r.get("skipped"))

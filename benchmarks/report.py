@@ -32,7 +32,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
 import targets
-from targets import num
+from common import failed, fmt_x, num
 
 Record = dict[str, Any]
 
@@ -116,11 +116,6 @@ def fmt_ms(v: Any) -> str:
     return f"{f:.2f}"
 
 
-def fmt_x(v: Any) -> str:
-    f = num(v)
-    return "—" if f is None else f"{f:.2f}x"
-
-
 def fmt_gib(values: Any) -> str:
     if not isinstance(values, (list, tuple)) or not values:
         return "—"
@@ -172,10 +167,6 @@ def ordered(records: Iterable[Record]) -> list[Record]:
             mode_key(str(r.get("mode")), seen),
         ),
     )
-
-
-def failed(r: Record) -> bool:
-    return bool(r.get("error")) or bool(r.get("skipped"))
 
 
 def time_of(r: Record) -> float | None:

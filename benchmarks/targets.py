@@ -16,12 +16,14 @@ is judged on its two-GPU records. Failed or skipped configurations count as not 
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import failed, fmt_x, num  # noqa: E402
 
 Record = dict[str, Any]
 
@@ -44,29 +46,11 @@ class Verdict:
     verdict: str
 
 
-def num(v: Any) -> float | None:
-    if isinstance(v, bool) or v is None:
-        return None
-    try:
-        f = float(v)
-    except (TypeError, ValueError):
-        return None
-    return f if math.isfinite(f) else None
-
-
-def _x(v: float | None) -> str:
-    return "—" if v is None else f"{v:.2f}x"
-
-
-def _usable(r: Record) -> bool:
-    return not r.get("error") and not r.get("skipped")
-
-
 class Run:
     """Lookups over one run's usable records."""
 
     def __init__(self, records: Iterable[Record]):
-        self.records = [r for r in records if isinstance(r, dict) and _usable(r)]
+        self.records = [r for r in records if isinstance(r, dict) and not failed(r)]
 
     def find(self, bench: str, model: str, mode: str, gpus: int, dtype: str | None = None):
         for r in self.records:
@@ -145,13 +129,13 @@ def _train_target(run: Run, model: str, label: str, goal: float, vs_ddp: bool) -
         return s >= goal and (not vs_ddp or ddp is None or s >= ddp)
 
     s = run.speedup(bench, model, "torchdp", dtype)
-    parts = [f"torchdp {_x(s)}"]
+    parts = [f"torchdp {fmt_x(s)}"]
     options_ok = []
     for mode, option in OPTION_MODES.items():
         so = run.speedup(bench, model, mode, dtype)
         if so is None:
             continue
-        parts.append(f"{option} {_x(so)}")
+        parts.append(f"{option} {fmt_x(so)}")
         if ok(so):
             options_ok.append(option)
     if model == "mlp200":
@@ -160,12 +144,12 @@ def _train_target(run: Run, model: str, label: str, goal: float, vs_ddp: bool) -
         tg = num((graphed or {}).get("step_ms_median"))
         t1g = num((single_graphs or {}).get("step_ms_median"))
         if tg and t1g:
-            parts.append(f"graphs vs one GPU graphed {_x(t1g / tg)}")
+            parts.append(f"graphs vs one GPU graphed {fmt_x(t1g / tg)}")
     if vs_ddp:
-        parts.append(f"DDP {_x(ddp)}")
+        parts.append(f"DDP {fmt_x(ddp)}")
     ideal = run.ideal(model, dtype)
     if ideal is not None:
-        parts.append(f"bound {_x(ideal)} (one GPU at half the batch)")
+        parts.append(f"bound {fmt_x(ideal)} (one GPU at half the batch)")
     if vs_ddp and ddp is None and s is not None:
         return Verdict(figure, target, "; ".join(parts) + " (no DDP record)", NOT_MEASURED)
     return Verdict(figure, target, "; ".join(parts), _verdict(ok(s), options_ok))
@@ -191,11 +175,11 @@ def _replicate_target(run: Run) -> Verdict:
         bound = num(
             (run.find("replicate", model, "torchdp_replicate", GPUS) or {}).get("bound_vs_torch")
         )
-        text = f"{model} {_x(s)}"
+        text = f"{model} {fmt_x(s)}"
         if peer is not None:
-            text += f" (peer copies {_x(peer)})"
+            text += f" (peer copies {fmt_x(peer)})"
         if bound is not None and s is not None and s < 5.0:
-            text += f", broadcast alone bounds it at {_x(bound)}"
+            text += f", broadcast alone bounds it at {fmt_x(bound)}"
         parts.append(text)
         default_ok = default_ok and s is not None and s >= 5.0
         peer_ok = peer_ok and ((s is not None and s >= 5.0) or (peer is not None and peer >= 5.0))
@@ -260,7 +244,9 @@ def _cpp_vs_libtorch_target(run: Run) -> Verdict:
     for model in models:
         s, g = vs(model, "torchdp"), vs(model, "torchdp_graphs")
         any_graphs = any_graphs or g is not None
-        parts.append(f"{model} {_x(s)}" + (f" (cuda_graphs {_x(g)})" if g is not None else ""))
+        parts.append(
+            f"{model} {fmt_x(s)}" + (f" (cuda_graphs {fmt_x(g)})" if g is not None else "")
+        )
         default_ok = default_ok and s is not None and s >= 10.0
         graphs_ok = graphs_ok and ((s is not None and s >= 10.0) or (g is not None and g >= 10.0))
     options = ["cuda_graphs"] if any_graphs and graphs_ok and not default_ok else []
@@ -270,10 +256,10 @@ def _cpp_vs_libtorch_target(run: Run) -> Verdict:
 def _cpp_conv_target(run: Run) -> Verdict:
     figure = "C++ torchdp::DataParallel speedup over one GPU, conv net"
     s = run.speedup("cpp_train_step", "cpp_convnet", "torchdp")
-    measured = f"torchdp {_x(s)}"
+    measured = f"torchdp {fmt_x(s)}"
     ideal = run.ideal("cpp_convnet", bench="cpp_train_step")
     if ideal is not None:
-        measured += f"; bound {_x(ideal)} (one GPU at half the batch)"
+        measured += f"; bound {fmt_x(ideal)} (one GPU at half the batch)"
     return Verdict(figure, ">= 1.70x", measured, _verdict(None if s is None else s >= 1.7, []))
 
 
@@ -379,8 +365,7 @@ def section(records: list[Record]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import report
+    import report  # here: report imports this module
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("results", nargs="+", help="results JSON file(s), merged")

@@ -3,6 +3,7 @@
 #include <torchdp/profiling.h>
 
 #include <ATen/Functions.h>
+#include <ATen/SparseCsrTensorUtils.h>
 #include <ATen/WrapDimUtils.h>
 #include <c10/core/Event.h>
 #include <c10/core/GradMode.h>
@@ -190,25 +191,17 @@ void record_on(const at::Tensor& t, const c10::Stream& stream) {
   if (!t.defined() || !t.device().is_cuda()) {
     return;
   }
-  switch (t.layout()) {
-    case c10::kSparse:
-      record_on(t._indices(), stream);
-      record_on(t._values(), stream);
-      return;
-    case c10::kSparseCsr:
-    case c10::kSparseBsr:
-      record_on(t.crow_indices(), stream);
-      record_on(t.col_indices(), stream);
-      record_on(t.values(), stream);
-      return;
-    case c10::kSparseCsc:
-    case c10::kSparseBsc:
-      record_on(t.ccol_indices(), stream);
-      record_on(t.row_indices(), stream);
-      record_on(t.values(), stream);
-      return;
-    default:
-      break;
+  if (t.layout() == c10::kSparse) {
+    record_on(t._indices(), stream);
+    record_on(t._values(), stream);
+    return;
+  }
+  if (at::sparse_csr::is_sparse_compressed(t)) { // CSR, CSC, BSR, BSC
+    const auto [compressed, plain] = at::sparse_csr::getCompressedPlainIndices(t);
+    record_on(compressed, stream);
+    record_on(plain, stream);
+    record_on(t.values(), stream);
+    return;
   }
   if (t.has_storage() && t.storage().data_ptr().get()) {
     c10::impl::VirtualGuardImpl(t.device().type())

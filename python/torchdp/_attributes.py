@@ -36,7 +36,14 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["STALE_ATTRIBUTE_POLICIES", "check_stale_attribute_policy", "fix_stale_attributes"]
+__all__ = [
+    "STALE_ATTRIBUTE_POLICIES",
+    "check_stale_attribute_policy",
+    "fix_stale_attributes",
+    "internal_keys",
+    "map_state",
+    "may_hold_state",
+]
 
 STALE_ATTRIBUTE_POLICIES = ("move", "warn", "error")
 
@@ -86,6 +93,9 @@ class _Replica:
 
     def fix(self, value: Any, where: str, depth: int) -> Any:
         """``value`` with its stale parts replaced (the same object when nothing is stale)."""
+        return map_state(value, self._fix_leaf, where, depth)
+
+    def _fix_leaf(self, value: Any, where: str) -> Any:
         if isinstance(value, torch.Tensor):
             if value.device != self.source:
                 return value
@@ -95,43 +105,51 @@ class _Replica:
                 position, name = registered
                 return getattr(self.replica_modules[position], name)
             return value.to(self.device)
-        if isinstance(value, nn.Module):
-            position = self.module_index.get(id(value))
-            if position is None:  # not part of the network: not replicate's business
-                return value
-            self.found.append(f"{where} is the original module (type {type(value).__qualname__})")
-            return self.replica_modules[position]
-        if depth >= _MAX_DEPTH:
+        position = self.module_index.get(id(value))
+        if position is None:  # not part of the network: not replicate's business
             return value
-        if type(value) is list or type(value) is tuple or _is_namedtuple(value):
-            items = [self.fix(v, f"{where}[{i}]", depth + 1) for i, v in enumerate(value)]
-            if all(a is b for a, b in zip(items, value, strict=True)):
-                return value
-            if type(value) is list:
-                return items
-            if type(value) is tuple:
-                return tuple(items)
-            return type(value)(*items)
-        if isinstance(value, dict):  # dict, OrderedDict, defaultdict, other subclasses
-            pairs = [(k, self.fix(v, f"{where}[{k!r}]", depth + 1)) for k, v in value.items()]
-            if all(new is value[k] for k, new in pairs):
-                return value
-            fixed = copy.copy(value)  # the same class, default_factory and attributes
-            fixed.update(pairs)
-            return fixed
-        if isinstance(value, deque):
-            items = [self.fix(v, f"{where}[{i}]", depth + 1) for i, v in enumerate(value)]
-            if all(a is b for a, b in zip(items, value, strict=True)):
-                return value
-            return type(value)(items, maxlen=value.maxlen)
+        self.found.append(f"{where} is the original module (type {type(value).__qualname__})")
+        return self.replica_modules[position]
+
+
+def map_state(value: Any, leaf: Any, where: str, depth: int = 0) -> Any:
+    """``value`` with ``leaf(x, where)`` applied to the tensors and modules in it, directly or in
+    lists, tuples, named tuples, dicts (subclasses too) and deques up to four levels deep; a
+    container is rebuilt, keeping its type, only where something in it changed."""
+    if isinstance(value, (torch.Tensor, nn.Module)):
+        return leaf(value, where)
+    if depth >= _MAX_DEPTH:
         return value
+    if type(value) is list or type(value) is tuple or _is_namedtuple(value):
+        items = [map_state(v, leaf, f"{where}[{i}]", depth + 1) for i, v in enumerate(value)]
+        if all(a is b for a, b in zip(items, value, strict=True)):
+            return value
+        if type(value) is list:
+            return items
+        if type(value) is tuple:
+            return tuple(items)
+        return type(value)(*items)
+    if isinstance(value, dict):  # dict, OrderedDict, defaultdict, other subclasses
+        pairs = [(k, map_state(v, leaf, f"{where}[{k!r}]", depth + 1)) for k, v in value.items()]
+        if all(new is value[k] for k, new in pairs):
+            return value
+        fixed = copy.copy(value)  # the same class, default_factory and attributes
+        fixed.update(pairs)
+        return fixed
+    if isinstance(value, deque):
+        items = [map_state(v, leaf, f"{where}[{i}]", depth + 1) for i, v in enumerate(value)]
+        if all(a is b for a, b in zip(items, value, strict=True)):
+            return value
+        return type(value)(items, maxlen=value.maxlen)
+    return value
 
 
 def _is_namedtuple(value: Any) -> bool:
     return isinstance(value, tuple) and hasattr(type(value), "_fields")
 
 
-def _may_hold_state(value: Any) -> bool:
+def may_hold_state(value: Any) -> bool:
+    """Whether a plain attribute's value may hold tensors or modules (what map_state looks into)."""
     return isinstance(value, (torch.Tensor, nn.Module, list, tuple, dict, deque))
 
 
@@ -173,7 +191,7 @@ def fix_stale_attributes(
     if not targets:
         return
     candidates = [
-        (p, [k for k, v in m.__dict__.items() if k not in _INTERNAL_KEYS and _may_hold_state(v)])
+        (p, [k for k, v in m.__dict__.items() if k not in _INTERNAL_KEYS and may_hold_state(v)])
         for p, m in enumerate(modules)
     ]
     candidates = [(p, keys) for p, keys in candidates if keys]

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from collections import OrderedDict
 from collections.abc import Sequence
 from itertools import chain
 from typing import Any
@@ -48,7 +47,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from torchdp._attributes import internal_keys
+from torchdp._attributes import internal_keys, map_state, may_hold_state
 from torchdp.replicate import replicate
 from torchdp.scatter_gather import GATHER_CONSTANTS
 
@@ -182,41 +181,11 @@ class _Replica:
 
 
 _parameters, _buffers = "_parameters", "_buffers"
-# How deep lists, tuples and dicts in plain attributes are searched (as stale_attributes does).
-_MAX_DEPTH = 4
-
-
-def _map_tensors(value: Any, fn: Any, where: str, depth: int = 0) -> Any:
-    """``value`` with ``fn(tensor, where)`` applied to its tensors, directly or in lists, tuples,
-    named tuples and dicts (the containers rebuilt only where something changed)."""
-    if isinstance(value, torch.Tensor):
-        return fn(value, where)
-    if depth >= _MAX_DEPTH:
-        return value
-    if type(value) in (list, tuple) or (
-        isinstance(value, tuple) and hasattr(type(value), "_fields")
-    ):
-        items = [_map_tensors(v, fn, f"{where}[{i}]", depth + 1) for i, v in enumerate(value)]
-        if all(a is b for a, b in zip(items, value, strict=True)):
-            return value
-        if type(value) is list:
-            return items
-        return tuple(items) if type(value) is tuple else type(value)(*items)
-    if type(value) in (dict, OrderedDict):
-        pairs = [(k, _map_tensors(v, fn, f"{where}[{k!r}]", depth + 1)) for k, v in value.items()]
-        if all(new is value[k] for k, new in pairs):
-            return value
-        return type(value)(pairs)
-    return value
 
 
 def _plain_attributes(module: nn.Module) -> list[str]:
     skip = internal_keys()
-    return [
-        k
-        for k, v in module.__dict__.items()
-        if k not in skip and isinstance(v, (torch.Tensor, list, tuple, dict))
-    ]
+    return [k for k, v in module.__dict__.items() if k not in skip and may_hold_state(v)]
 
 
 def _refuse_unregistered_leaves(network: nn.Module) -> None:
@@ -226,8 +195,13 @@ def _refuse_unregistered_leaves(network: nn.Module) -> None:
     registered = {id(p) for p in network.parameters()}
     for name, module in network.named_modules():
 
-        def check(t: torch.Tensor, where: str, module: nn.Module = module, name: str = name):
-            if t.requires_grad and t.is_leaf and id(t) not in registered:
+        def check(t: Any, where: str, module: nn.Module = module, name: str = name) -> Any:
+            if (
+                isinstance(t, torch.Tensor)
+                and t.requires_grad
+                and t.is_leaf
+                and id(t) not in registered
+            ):
                 raise RuntimeError(
                     f"{_API}: attribute {where!r} of module '{name or '<root>'}' (type "
                     f"{type(module).__qualname__}) is a tensor that requires grad but is not a "
@@ -237,7 +211,7 @@ def _refuse_unregistered_leaves(network: nn.Module) -> None:
             return t
 
         for key in _plain_attributes(module):
-            _map_tensors(module.__dict__[key], check, key)
+            map_state(module.__dict__[key], check, key)
 
 
 def _rebind_plain_attributes(copies: list[nn.Module], alias_of: dict[int, torch.Tensor]) -> None:
@@ -247,13 +221,13 @@ def _rebind_plain_attributes(copies: list[nn.Module], alias_of: dict[int, torch.
     alias would drop its gradient (the backward graph differentiates with respect to the
     replica's own leaves)."""
 
-    def rebind(t: torch.Tensor, where: str) -> torch.Tensor:
-        return alias_of.get(id(t), t)
+    def rebind(t: Any, where: str) -> Any:
+        return alias_of.get(id(t), t) if isinstance(t, torch.Tensor) else t
 
     for replica in copies:
         state = replica.__dict__
         for key in _plain_attributes(replica):
-            fixed = _map_tensors(state[key], rebind, key)
+            fixed = map_state(state[key], rebind, key)
             if fixed is not state[key]:
                 state[key] = fixed
 

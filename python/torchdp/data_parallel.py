@@ -14,7 +14,6 @@ from typing import Any, TypeVar
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
 from torch._utils import (
     _get_all_device_indices,
     _get_available_device_type,
@@ -424,34 +423,8 @@ class DataParallel(_TorchDataParallel[T]):
             inputs,
             kwargs,
             self.device_ids[: len(replicas)],
-            serial=self.serial_forward or self._first_compiled_call(inputs, kwargs),
+            serial=self.serial_forward or _first_compiled_call(self.module, inputs, kwargs),
         )
-
-    def _first_compiled_call(self, inputs: Sequence[Any], kwargs: Any) -> bool:
-        """True the first time a compiled module sees these inputs (shapes, dtypes, devices), its
-        training flag and grad mode. Replicas that meet a new signature together on worker threads
-        would each compile it (dynamo's guards fail across the threads' concurrent compiles), using
-        up its recompile limit with copies of one graph; run in order, the first compiles and the
-        others find its graph. Only the first few signatures (dynamo's default limit): beyond
-        them, dynamo no longer compiles per shape."""
-        if "torch._dynamo" not in sys.modules or not _holds_compiled(self.module):
-            return False
-        seen = self.__dict__.setdefault("_compiled_signatures", set())
-        if len(seen) >= _COMPILED_SIGNATURES:
-            return False
-        leaves = tree_flatten((list(inputs), list(kwargs) if kwargs else []))[0]
-        key = (
-            tuple(
-                (tuple(t.shape), t.dtype, t.device) if isinstance(t, torch.Tensor) else type(t)
-                for t in leaves
-            ),
-            self.module.training,
-            torch.is_grad_enabled(),
-        )
-        if key in seen:
-            return False
-        seen.add(key)
-        return True
 
     def gather(self, outputs: Any, output_device: int | torch.device) -> Any:
         """Concatenates the replicas' outputs on :attr:`output_device` along ``dim``."""
@@ -459,8 +432,41 @@ class DataParallel(_TorchDataParallel[T]):
 
 
 # How many input signatures of a compiled module run their replicas in order the first time
-# (dynamo's default recompile limit per code object).
+# (dynamo's default recompile limit per code object), and those seen so far, per module.
 _COMPILED_SIGNATURES = 8
+_signatures_seen: weakref.WeakKeyDictionary[nn.Module, set[Any]] = weakref.WeakKeyDictionary()
+
+
+def _first_compiled_call(module: nn.Module, inputs: Sequence[Any], kwargs: Any) -> bool:
+    """True the first time a compiled ``module`` sees these inputs (shapes, dtypes, devices), its
+    training flag and grad mode. Replicas that meet a new signature together on worker threads
+    would each compile it (dynamo's guards fail across the threads' concurrent compiles), using up
+    its recompile limit with copies of one graph; run in order, the first compiles and the others
+    find its graph. Only the first few signatures (dynamo's default limit): beyond them, dynamo no
+    longer compiles per shape."""
+    if "torch._dynamo" not in sys.modules:
+        return False
+    seen = _signatures_seen.setdefault(module, set())
+    if len(seen) >= _COMPILED_SIGNATURES:
+        return False
+    key = (_signature(inputs), _signature(kwargs), module.training, torch.is_grad_enabled())
+    if key in seen:
+        return False
+    seen.add(key)
+    # The module walk only for a signature not seen before, not at every forward.
+    return _holds_compiled(module)
+
+
+def _signature(value: Any) -> Any:
+    """What a compiled call is specialised on in scattered arguments: tensors' shapes, dtypes and
+    devices, the structure around them, the types of the other values."""
+    if isinstance(value, torch.Tensor):
+        return (tuple(value.shape), value.dtype, value.device)
+    if isinstance(value, (list, tuple)):
+        return (type(value), tuple(_signature(v) for v in value))
+    if isinstance(value, dict):
+        return (type(value), tuple((k, _signature(v)) for k, v in value.items()))
+    return type(value)
 
 
 def _holds_compiled(module: nn.Module) -> bool:
@@ -556,5 +562,6 @@ def data_parallel(
         replicas = replicate(module, used)
     else:
         replicas = replicate(module, used, stale_attributes=stale_attributes)
-    outputs = parallel_apply(replicas, scattered, scattered_kwargs, used)
+    serial = _first_compiled_call(module, scattered, scattered_kwargs)
+    outputs = parallel_apply(replicas, scattered, scattered_kwargs, used, serial=serial)
     return gather(outputs, target, dim)

@@ -18,14 +18,20 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import common  # noqa: E402
 
 
+def _script_env() -> dict[str, str]:
+    """The environment of a benchmark script run in a child process: this checkout's package."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "python"), env.get("PYTHONPATH", "")])
+    return env
+
+
 def test_run_all_smoke_writes_valid_results(tmp_path):
     cpp = os.environ.get("TORCHDP_BENCH_CPP")
     if not cpp or not Path(cpp).exists():
         pytest.skip(
             "TORCHDP_BENCH_CPP does not name the built torchdp_bench_cpp (make test sets it)"
         )
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "python"), env.get("PYTHONPATH", "")])
+    env = _script_env()
     proc = subprocess.run(
         [
             sys.executable,
@@ -86,8 +92,7 @@ def test_results_validation_rejects_incomplete_records():
 
 @pytest.mark.parametrize("delivery", ["join", "bucket"])
 def test_profile_step_smoke_records_every_phase(tmp_path, delivery):
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "python"), env.get("PYTHONPATH", "")])
+    env = _script_env()
     env["TORCHDP_GRAD_DELIVERY"] = delivery
     out = tmp_path / "profile.json"
     proc = subprocess.run(
@@ -176,8 +181,7 @@ def test_profile_step_gpu_idle_finds_the_gaps_and_their_phases():
 
 
 def test_profile_step_rejects_bad_device_ids():
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "python"), env.get("PYTHONPATH", "")])
+    env = _script_env()
     script = str(REPO / "benchmarks" / "profile_step.py")
     for ids, expected in [("0,x", "comma-separated integers"), ("99,99", "--device-ids needs")]:
         proc = subprocess.run(
@@ -202,8 +206,7 @@ def test_profile_step_rejects_bad_device_ids():
 def test_replicate_phases_probe_sees_torchdp_profiler_ranges():
     # The C++ marks its phases with profiler ranges (csrc/torchdp/profiling.h); the probe reads
     # them back from torch.profiler, so each must appear once per replicate call.
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "python"), env.get("PYTHONPATH", "")])
+    env = _script_env()
     proc = subprocess.run(
         [
             sys.executable,

@@ -241,3 +241,12 @@ def test_replicas_on_threads_compile_a_new_signature_once(style):
         per_step.append((backend.compiles - before[0], backend.calls - before[1]))
     # One compile for each new shape (32, then 5 per replica); every replica runs compiled.
     assert per_step == [(1, 4), (0, 4), (1, 4), (0, 4), (0, 4)], per_step
+
+
+def test_functional_data_parallel_compiles_a_new_signature_once():
+    torch.manual_seed(0)
+    backend = CountingBackend()
+    net = compiled("wrapper", Net(), backend)
+    for _ in range(2):
+        torchdp.data_parallel(net, torch.randn(32, 8), devices=cpu_devices(4)).sum().backward()
+    assert (backend.compiles, backend.calls) == (1, 8)
