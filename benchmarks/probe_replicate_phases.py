@@ -6,9 +6,14 @@ broadcast and its autograd wiring, with ``torchdp.broadcast``, ``torchdp.broadca
 over NCCL, ``torchdp.nccl.broadcast_group`` inside), ``torchdp.replicate.build`` (the replica
 modules) and ``torchdp.replicate.device_check``. This times the call unprofiled (median wall ms)
 and prints each range's CPU ms per call under the profiler, for bench_train_step's models.
+With ``--in-step`` the calls are the ones ``torchdp.DataParallel`` makes inside training steps
+(zero_grad, forward, loss, backward, SGD step, then a synchronisation, as the benchmarks time a
+step), next to the isolated calls: a phase that costs more there than alone shows what the step
+around it adds (a busy allocator, cold caches, work still queued on the GPU).
 
     python benchmarks/probe_replicate_phases.py [--device-ids 0,1] [--models resnet50,transformer]
     python benchmarks/probe_replicate_phases.py --smoke     # CPU, tiny models
+    python benchmarks/probe_replicate_phases.py --in-step --device-ids 0,0 --models resnet50
 
 Without GPUs (``--smoke``) the replicas go to two CPU devices.
 """
@@ -54,21 +59,76 @@ def probe(name: str, devices: list[torch.device], calls: int, smoke: bool) -> st
             replicas = torchdp.replicate(net, devices)
             del replicas
         sync(devices)
+    return report(name, net, devices, calls, wall, prof, "isolated calls")
+
+
+def report(
+    name: str,
+    net: torch.nn.Module,
+    devices: list[torch.device],
+    calls: int,
+    wall: list[float],
+    prof: profile,
+    what: str,
+) -> str:
+    # Inside a step the allocations of the whole step show up too: only torchdp's ranges there.
+    prefixes = PREFIXES if what == "isolated calls" else ("torchdp.",)
     rows = []
     for e in prof.key_averages():
-        if e.key.startswith(PREFIXES):
+        if e.key.startswith(prefixes):
             rows.append((e.key, e.cpu_time_total / 1e3 / calls, e.count / calls))
     rows.sort(key=lambda r: -r[1])
     modules = sum(1 for _ in net.modules())
     tensors = sum(1 for _ in net.parameters()) + sum(1 for _ in net.buffers())
     head = (
-        f"{name}: {modules} modules, {tensors} tensors, onto {[str(d) for d in devices]}: "
-        f"median {statistics.median(wall):.3f} ms unprofiled (p10 "
+        f"{name}: {modules} modules, {tensors} tensors, onto {[str(d) for d in devices]}, "
+        f"{what}: median {statistics.median(wall):.3f} ms unprofiled (p10 "
         f"{sorted(wall)[len(wall) // 10]:.3f}, p90 {sorted(wall)[9 * len(wall) // 10]:.3f})"
     )
     lines = [head]
     lines += [f"    {k:40s} {ms:8.3f} ms/call  {n:6.1f} calls/call" for k, ms, n in rows]
     return "\n".join(lines)
+
+
+class _TimedReplicate(torchdp.DataParallel):
+    """DataParallel whose replicate() calls are timed (wall ms appended to `times`)."""
+
+    times: list[float]
+
+    def replicate(self, module, device_ids):  # type: ignore[no-untyped-def]
+        t0 = time.perf_counter()
+        replicas = super().replicate(module, device_ids)
+        self.times.append((time.perf_counter() - t0) * 1e3)
+        return replicas
+
+
+def probe_in_step(name: str, devices: list[torch.device], calls: int, smoke: bool) -> str:
+    """The replicate() calls of DataParallel training steps, each step synchronised at its end."""
+    net = bench_train_step.build_model(name, smoke).to(devices[0])
+    dp = _TimedReplicate(net, devices=devices)
+    dp.times = []
+    opt = torch.optim.SGD(net.parameters(), lr=1e-3)
+    x, target = bench_train_step.make_inputs(name, smoke)
+    x = x.to(devices[0])
+    target = None if target is None else target.to(devices[0])
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        out = dp(x)
+        bench_train_step.compute_loss(name, out, target).backward()
+        opt.step()
+        sync(devices)
+
+    for _ in range(3):
+        step()
+    dp.times.clear()
+    for _ in range(calls):
+        step()
+    wall = list(dp.times)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(calls):
+            step()
+    return report(name, net, devices, calls, wall, prof, "inside training steps")
 
 
 def main() -> None:
@@ -77,6 +137,11 @@ def main() -> None:
     parser.add_argument("--models", default="resnet50,transformer,mlp200")
     parser.add_argument("--calls", type=int, default=30)
     parser.add_argument("--smoke", action="store_true", help="tiny models on two CPU devices")
+    parser.add_argument(
+        "--in-step",
+        action="store_true",
+        help="also time DataParallel's replicate() calls inside training steps",
+    )
     args = parser.parse_args()
     if args.smoke:
         devices = [torch.device("cpu")] * 2
@@ -88,6 +153,8 @@ def main() -> None:
     print(f"torch {torch.__version__}, torchdp {torchdp.__version__}, nccl {torchdp.has_nccl()}")
     for name in args.models.split(","):
         print(probe(name.strip(), devices, args.calls, args.smoke), flush=True)
+        if args.in_step:
+            print(probe_in_step(name.strip(), devices, args.calls, args.smoke), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 // C++ benchmark of torchdp against LibTorch's own data parallelism.
 //
-// For two Cloneable models (cpp_mlp200: 200 x Linear(256,256)+ReLU, batch 512; cpp_convnet: 8 x
-// Conv2d(3x3)+BatchNorm2d+ReLU blocks, global average pool, Linear(64,10), batch 256 of 64x64
-// images) it times full training steps (zero_grad, forward, loss = out.pow(2).mean(), backward,
+// For three Cloneable models (cpp_mlp200: 200 x Linear(256,256)+ReLU, batch 512; cpp_convnet: 8
+// Conv2d(3x3)+BatchNorm2d+ReLU blocks in VGG-11's plan with max pooling, global average pool,
+// Linear(512,10), batch 256 of 64x64 images; cpp_convnet_flat: 8 such blocks of 64 channels
+// without pooling, the conv net of runs before 2026-12-02) it times full training steps (zero_grad, forward, loss = out.pow(2).mean(), backward,
 // SGD step) in these modes:
 //   single              the model on one device
 //   libtorch_dp         torch::nn::parallel::data_parallel over all devices (LibTorch)
@@ -17,7 +18,8 @@
 // torchdp::replicate). Results go to a JSON file in the format of benchmarks/common.py.
 //
 // Usage:
-//   torchdp_bench_cpp --out PATH [--smoke] [--steps N] [--warmup N] [--libtorch-steps N] [--strict]
+//   torchdp_bench_cpp --out PATH [--smoke] [--steps N] [--warmup N] [--libtorch-steps N]
+//                     [--models LIST] [--device-ids LIST] [--strict]
 // --smoke runs tiny models on two CPU replicas ({kCPU, kCPU}), 1 warm-up and 2 steps, and skips
 // LibTorch's data_parallel (its Scatter needs CUDA). Without --smoke every visible GPU is used.
 // LibTorch's data_parallel and replicate deep-clone the module on every call (~10x slower than
@@ -94,30 +96,35 @@ struct MlpImpl : torch::nn::Cloneable<MlpImpl> {
 };
 TORCH_MODULE(Mlp);
 
-/// `blocks` x (Conv2d(3x3, padding 1), BatchNorm2d, ReLU): in_channels -> channels, then
-/// channels -> channels; global average pool; Linear(channels, classes).
+/// A VGG-style stack from a plan: each positive entry c is a block Conv2d(3x3, padding 1) to c
+/// channels, BatchNorm2d(c), ReLU; each kPool entry a MaxPool2d(2); then global average pool and
+/// Linear(last channels, classes).
 struct ConvNetImpl : torch::nn::Cloneable<ConvNetImpl> {
-  ConvNetImpl(int64_t blocks, int64_t in_channels, int64_t channels, int64_t classes)
-      : blocks(blocks), in_channels(in_channels), channels(channels), classes(classes) {
+  static constexpr int64_t kPool = -1;
+  ConvNetImpl(std::vector<int64_t> plan, int64_t in_channels, int64_t classes)
+      : plan(std::move(plan)), in_channels(in_channels), classes(classes) {
     reset();
   }
   void reset() override {
     features = register_module("features", torch::nn::Sequential());
     int64_t in = in_channels;
-    for (int64_t i = 0; i < blocks; ++i) {
-      features->push_back(torch::nn::Conv2d(torch::nn::Conv2dOptions(in, channels, 3).padding(1)));
-      features->push_back(torch::nn::BatchNorm2d(channels));
+    for (const int64_t c : plan) {
+      if (c == kPool) {
+        features->push_back(torch::nn::MaxPool2d(torch::nn::MaxPool2dOptions(2)));
+        continue;
+      }
+      features->push_back(torch::nn::Conv2d(torch::nn::Conv2dOptions(in, c, 3).padding(1)));
+      features->push_back(torch::nn::BatchNorm2d(c));
       features->push_back(torch::nn::ReLU());
-      in = channels;
+      in = c;
     }
-    head = register_module("head", torch::nn::Linear(channels, classes));
+    head = register_module("head", torch::nn::Linear(in, classes));
   }
   torch::Tensor forward(const torch::Tensor& x) {
     return head->forward(features->forward(x).mean({2, 3}));
   }
-  int64_t blocks;
+  std::vector<int64_t> plan;
   int64_t in_channels;
-  int64_t channels;
   int64_t classes;
   torch::nn::Sequential features{nullptr};
   torch::nn::Linear head{nullptr};
@@ -335,7 +342,14 @@ struct Settings {
   int warmup = 2;
   int libtorch_steps = 5;
   bool strict = false;
+  std::vector<std::string> models; // empty: all
+  std::vector<int> device_ids;     // empty: every visible GPU
+  bool wants(const std::string& model) const {
+    return models.empty() || std::find(models.begin(), models.end(), model) != models.end();
+  }
 };
+
+const std::vector<std::string> kModels = {"cpp_mlp200", "cpp_convnet", "cpp_convnet_flat"};
 
 struct Bench {
   Settings settings;
@@ -684,7 +698,7 @@ struct Bench {
 
 void usage(std::ostream& o) {
   o << "usage: torchdp_bench_cpp --out PATH [--smoke] [--steps N] [--warmup N] "
-       "[--libtorch-steps N] [--strict]\n"
+       "[--libtorch-steps N] [--models LIST] [--device-ids LIST] [--strict]\n"
        "  --out PATH          JSON results file (benchmarks/common.py format)\n"
        "  --smoke             tiny models on two CPU replicas, 1 warm-up + 2 steps; skips "
        "LibTorch's\n"
@@ -692,6 +706,10 @@ void usage(std::ostream& o) {
        "  --steps N           timed steps per configuration (default 10; smoke 2)\n"
        "  --warmup N          warm-up steps (default 2; smoke 1)\n"
        "  --libtorch-steps N  timed steps of LibTorch's data_parallel/replicate (default 5)\n"
+       "  --models LIST       comma list of cpp_mlp200, cpp_convnet, cpp_convnet_flat (default: "
+       "all)\n"
+       "  --device-ids LIST   CUDA indices of the replicas, e.g. 0,0 for two replicas on one GPU\n"
+       "                      (default: every visible GPU)\n"
        "  --strict            exit 1 when a configuration failed (default: record it, exit 0)\n";
 }
 
@@ -735,6 +753,37 @@ int main(int argc, char** argv) {
       warmup = int_value();
     } else if (a == "--libtorch-steps") {
       libtorch_steps = int_value();
+    } else if (a == "--device-ids") {
+      const auto list = value();
+      std::stringstream in(list);
+      std::string id;
+      while (std::getline(in, id, ',')) {
+        size_t used = 0;
+        int v = -1;
+        try {
+          v = std::stoi(id, &used);
+        } catch (const std::exception&) {
+        }
+        if (v < 0 || used != id.size()) {
+          std::cerr << "torchdp_bench_cpp: --device-ids expects a comma list of CUDA indices "
+                       "(e.g. 0,1 or 0,0), got '"
+                    << list << "'\n";
+          return 2;
+        }
+        s.device_ids.push_back(v);
+      }
+    } else if (a == "--models") {
+      const auto list = value();
+      std::stringstream in(list);
+      std::string m;
+      while (std::getline(in, m, ',')) {
+        if (std::find(kModels.begin(), kModels.end(), m) == kModels.end()) {
+          std::cerr << "torchdp_bench_cpp: --models: unknown model '" << m << "' in '" << list
+                    << "'; expected a comma list of cpp_mlp200, cpp_convnet, cpp_convnet_flat\n";
+          return 2;
+        }
+        s.models.push_back(m);
+      }
     } else if (a == "--help" || a == "-h") {
       usage(std::cout);
       return 0;
@@ -764,7 +813,15 @@ int main(int argc, char** argv) {
   if (s.smoke) {
     bench.devices = {torch::Device(torch::kCPU), torch::Device(torch::kCPU)};
   } else if (cuda_devices > 0) {
-    for (int i = 0; i < cuda_devices; ++i) {
+    for (const int i : s.device_ids) {
+      if (i >= cuda_devices) {
+        std::cerr << "torchdp_bench_cpp: --device-ids: cuda:" << i << " does not exist ("
+                  << cuda_devices << " visible)\n";
+        return 2;
+      }
+      bench.devices.emplace_back(torch::kCUDA, static_cast<torch::DeviceIndex>(i));
+    }
+    for (int i = 0; s.device_ids.empty() && i < cuda_devices; ++i) {
       bench.devices.emplace_back(torch::kCUDA, static_cast<torch::DeviceIndex>(i));
     }
   } else {
@@ -788,8 +845,15 @@ int main(int argc, char** argv) {
   const int64_t mlp_layers = s.smoke ? 8 : 200;
   const int64_t mlp_width = s.smoke ? 32 : 256;
   const int64_t mlp_batch = s.smoke ? 16 : 512;
-  const int64_t conv_blocks = s.smoke ? 2 : 8;
-  const int64_t conv_channels = s.smoke ? 8 : 64;
+  // cpp_convnet: 8 conv+BN blocks in VGG-11's plan (64, pool, 128, pool, 256, 256, pool, 512,
+  // 512, pool, 512, 512, pool; 9.2M parameters), the shape of the reference measurement's conv
+  // net (one GPU ~11 ms, LibTorch's replicate ~150 ms on an H200). cpp_convnet_flat: 8 blocks of
+  // 64 channels at full resolution (0.3M parameters, GPU-bound), the conv net of earlier runs.
+  constexpr int64_t P = ConvNetImpl::kPool;
+  const std::vector<int64_t> vgg_plan =
+      s.smoke ? std::vector<int64_t>{8, P, 16, P}
+              : std::vector<int64_t>{64, P, 128, P, 256, 256, P, 512, 512, P, 512, 512, P};
+  const std::vector<int64_t> flat_plan(s.smoke ? 2 : 8, s.smoke ? 8 : 64);
   const int64_t conv_batch = s.smoke ? 8 : 256;
   const int64_t conv_hw = s.smoke ? 16 : 64;
 
@@ -798,20 +862,33 @@ int main(int argc, char** argv) {
   const auto conv_input = torch::randn({conv_batch, 3, conv_hw, conv_hw});
 
   try {
-    bench.bench_model<Mlp>(
-        "cpp_mlp200",
-        [&]() {
-          torch::manual_seed(1);
-          return Mlp(mlp_layers, mlp_width);
-        },
-        mlp_input);
-    bench.bench_model<ConvNet>(
-        "cpp_convnet",
-        [&]() {
-          torch::manual_seed(2);
-          return ConvNet(conv_blocks, 3, conv_channels, 10);
-        },
-        conv_input);
+    if (s.wants("cpp_mlp200")) {
+      bench.bench_model<Mlp>(
+          "cpp_mlp200",
+          [&]() {
+            torch::manual_seed(1);
+            return Mlp(mlp_layers, mlp_width);
+          },
+          mlp_input);
+    }
+    if (s.wants("cpp_convnet")) {
+      bench.bench_model<ConvNet>(
+          "cpp_convnet",
+          [&]() {
+            torch::manual_seed(2);
+            return ConvNet(vgg_plan, 3, 10);
+          },
+          conv_input);
+    }
+    if (s.wants("cpp_convnet_flat")) {
+      bench.bench_model<ConvNet>(
+          "cpp_convnet_flat",
+          [&]() {
+            torch::manual_seed(2);
+            return ConvNet(flat_plan, 3, 10);
+          },
+          conv_input);
+    }
   } catch (const std::exception& e) {
     // Not expected (every configuration catches its own failures); keep what was measured.
     ++bench.failures;
