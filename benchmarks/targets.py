@@ -46,11 +46,22 @@ class Verdict:
     verdict: str
 
 
+def _shares_a_device(r: Record) -> bool:
+    """Whether the record's replicas share a device (``devices`` "cuda:0,cuda:0", a one-GPU
+    probe of the CPU side): such records say nothing about two GPUs and are not judged."""
+    devices = r.get("devices")
+    if isinstance(devices, str):
+        devices = [d.strip() for d in devices.split(",") if d.strip()]
+    return isinstance(devices, list) and len(set(map(str, devices))) < len(devices)
+
+
 class Run:
     """Lookups over one run's usable records."""
 
     def __init__(self, records: Iterable[Record]):
-        self.records = [r for r in records if isinstance(r, dict) and not failed(r)]
+        self.records = [
+            r for r in records if isinstance(r, dict) and not failed(r) and not _shares_a_device(r)
+        ]
 
     def find(self, bench: str, model: str, mode: str, gpus: int, dtype: str | None = None):
         for r in self.records:
@@ -225,6 +236,12 @@ def _slope_target(run: Run) -> Verdict:
     return Verdict(figure, target, "; ".join(parts), MET if ok else NOT_MET)
 
 
+# The two C++ models of the reference measurement (anchor-measurements.md) that the C++ targets
+# name; torchdp_bench_cpp also times cpp_convnet_flat, the conv net of runs before 2026-12-02
+# (GPU-bound, LibTorch's data_parallel already faster than one GPU on it), shown but not judged.
+CPP_TARGET_MODELS = ("cpp_mlp200", "cpp_convnet")
+
+
 def _cpp_vs_libtorch_target(run: Run) -> Verdict:
     figure = "C++ torchdp::DataParallel vs LibTorch data_parallel, both C++ models"
     models = []
@@ -243,12 +260,19 @@ def _cpp_vs_libtorch_target(run: Run) -> Verdict:
     parts, default_ok, graphs_ok, any_graphs = [], True, True, False
     for model in models:
         s, g = vs(model, "torchdp"), vs(model, "torchdp_graphs")
+        text = f"{model} {fmt_x(s)}" + (f" (cuda_graphs {fmt_x(g)})" if g is not None else "")
+        if model not in CPP_TARGET_MODELS:
+            parts.append(text + " (not judged: not one of the reference models)")
+            continue
         any_graphs = any_graphs or g is not None
-        parts.append(
-            f"{model} {fmt_x(s)}" + (f" (cuda_graphs {fmt_x(g)})" if g is not None else "")
-        )
+        parts.append(text)
         default_ok = default_ok and s is not None and s >= 10.0
         graphs_ok = graphs_ok and ((s is not None and s >= 10.0) or (g is not None and g >= 10.0))
+    judged = [m for m in models if m in CPP_TARGET_MODELS]
+    if len(judged) < len(CPP_TARGET_MODELS):
+        missing = ", ".join(m for m in CPP_TARGET_MODELS if m not in judged)
+        parts.append(f"{missing} not measured")
+        return Verdict(figure, ">= 10x", "; ".join(parts), NOT_MEASURED)
     options = ["cuda_graphs"] if any_graphs and graphs_ok and not default_ok else []
     return Verdict(figure, ">= 10x", "; ".join(parts), _verdict(default_ok, options))
 

@@ -3,8 +3,8 @@
 // For three Cloneable models (cpp_mlp200: 200 x Linear(256,256)+ReLU, batch 512; cpp_convnet: 8
 // Conv2d(3x3)+BatchNorm2d+ReLU blocks in VGG-11's plan with max pooling, global average pool,
 // Linear(512,10), batch 256 of 64x64 images; cpp_convnet_flat: 8 such blocks of 64 channels
-// without pooling, the conv net of runs before 2026-12-02) it times full training steps (zero_grad, forward, loss = out.pow(2).mean(), backward,
-// SGD step) in these modes:
+// without pooling, the conv net of runs before 2026-12-02) it times full training steps (zero_grad,
+// forward, loss = out.pow(2).mean(), backward, SGD step) in these modes:
 //   single              the model on one device
 //   libtorch_dp         torch::nn::parallel::data_parallel over all devices (LibTorch)
 //   torchdp             torchdp::DataParallel (module holder) over all devices
@@ -63,6 +63,7 @@
 #include <functional>
 #include <iomanip>
 #include <iostream>
+#include <map>
 #include <limits>
 #include <optional>
 #include <sstream>
@@ -356,11 +357,15 @@ struct Bench {
   std::vector<torch::Device> devices; // the data-parallel device list
   std::deque<Record> records;         // a deque: references to records stay valid
   int failures = 0;
+  std::map<std::string, std::string> descriptions; // model name -> what it is, in every record
 
   Record base(const std::string& bench, const std::string& model, const std::string& mode,
               size_t gpus) const {
     Record r;
     r.str("bench", bench).str("model", model).str("mode", mode);
+    if (const auto d = descriptions.find(model); d != descriptions.end()) {
+      r.str("model_desc", d->second);
+    }
     r.num("gpus", static_cast<double>(gpus)).str("dtype", "fp32");
     r.str("devices",
           device_list(gpus == 1 ? std::vector<torch::Device>{devices.front()} : devices));
@@ -856,6 +861,26 @@ int main(int argc, char** argv) {
   const std::vector<int64_t> flat_plan(s.smoke ? 2 : 8, s.smoke ? 8 : 64);
   const int64_t conv_batch = s.smoke ? 8 : 256;
   const int64_t conv_hw = s.smoke ? 16 : 64;
+
+  auto plan_text = [](const std::vector<int64_t>& plan) {
+    std::string t;
+    for (const int64_t c : plan) {
+      t +=
+          (t.empty() ? "" : ",") + (c == ConvNetImpl::kPool ? std::string("M") : std::to_string(c));
+    }
+    return t;
+  };
+  const std::string conv_shape = ", batch " + std::to_string(conv_batch) + " of 3x" +
+                                 std::to_string(conv_hw) + "x" + std::to_string(conv_hw);
+  bench.descriptions = {
+      {"cpp_mlp200", std::to_string(mlp_layers) + " x (Linear(" + std::to_string(mlp_width) + ", " +
+                         std::to_string(mlp_width) + "), ReLU), batch " +
+                         std::to_string(mlp_batch)},
+      {"cpp_convnet", "Conv2d(3x3)+BatchNorm2d+ReLU blocks, plan " + plan_text(vgg_plan) +
+                          " (M: MaxPool2d(2)), global average pool, Linear" + conv_shape},
+      {"cpp_convnet_flat", "Conv2d(3x3)+BatchNorm2d+ReLU blocks, plan " + plan_text(flat_plan) +
+                               ", global average pool, Linear" + conv_shape},
+  };
 
   torch::manual_seed(0);
   const auto mlp_input = torch::randn({mlp_batch, mlp_width});

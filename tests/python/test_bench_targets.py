@@ -206,3 +206,65 @@ def test_cpp_targets():
     assert "bound 1.90x" in verdict_of(targets.judge(records), "conv net").measured
     records[-2]["step_ms_median"] = 2.5  # 12x vs LibTorch
     assert verdict_of(targets.judge(records), "LibTorch").verdict == "met with cuda_graphs"
+
+
+def test_cpp_target_judges_the_reference_models_only() -> None:
+    def cpp(model: str, mode: str, gpus: int, ms: float) -> dict:
+        return {
+            "bench": "cpp_train_step",
+            "model": model,
+            "mode": mode,
+            "gpus": gpus,
+            "dtype": "fp32",
+            "step_ms_median": ms,
+        }
+
+    records = [
+        cpp("cpp_mlp200", "single", 1, 30.0),
+        cpp("cpp_mlp200", "libtorch_dp", 2, 300.0),
+        cpp("cpp_mlp200", "torchdp", 2, 25.0),  # 12x
+        cpp("cpp_convnet_flat", "single", 1, 40.0),
+        cpp("cpp_convnet_flat", "libtorch_dp", 2, 30.0),
+        cpp("cpp_convnet_flat", "torchdp", 2, 22.0),  # 1.36x: shown, not judged
+    ]
+    v = verdict_of(targets.judge(records), "LibTorch")
+    # The reference conv net is missing: not measured, never met through the other models.
+    assert v.verdict == targets.NOT_MEASURED
+    assert "cpp_convnet not measured" in v.measured
+    assert "cpp_convnet_flat 1.36x (not judged" in v.measured
+    records += [
+        cpp("cpp_convnet", "single", 1, 12.0),
+        cpp("cpp_convnet", "libtorch_dp", 2, 130.0),
+        cpp("cpp_convnet", "torchdp", 2, 7.0),  # 18.6x
+    ]
+    v = verdict_of(targets.judge(records), "LibTorch")
+    assert v.verdict == targets.MET, v
+    assert "cpp_convnet 18.57x" in v.measured
+    records[2]["step_ms_median"] = 40.0  # the MLP at 7.5x fails it
+    assert verdict_of(targets.judge(records), "LibTorch").verdict == targets.NOT_MET
+
+
+def test_replicas_sharing_a_gpu_are_not_judged() -> None:
+    records = [
+        {
+            "bench": "cpp_train_step",
+            "model": "cpp_convnet",
+            "mode": "single",
+            "gpus": 1,
+            "dtype": "fp32",
+            "step_ms_median": 12.0,
+            "devices": "cuda:0",
+        },
+        {
+            "bench": "cpp_train_step",
+            "model": "cpp_convnet",
+            "mode": "torchdp",
+            "gpus": 2,
+            "dtype": "fp32",
+            "step_ms_median": 14.0,
+            "devices": "cuda:0,cuda:0",
+        },
+    ]
+    assert verdict_of(targets.judge(records), "conv net").verdict == targets.NOT_MEASURED
+    records[1]["devices"] = "cuda:0,cuda:1"
+    assert verdict_of(targets.judge(records), "conv net").verdict == targets.NOT_MET
