@@ -9,7 +9,10 @@ and prints each range's CPU ms per call under the profiler, for bench_train_step
 With ``--in-step`` the calls are the ones ``torchdp.DataParallel`` makes inside training steps
 (zero_grad, forward, loss, backward, SGD step, then a synchronisation, as the benchmarks time a
 step), next to the isolated calls: a phase that costs more there than alone shows what the step
-around it adds (a busy allocator, cold caches, work still queued on the GPU).
+around it adds (a busy allocator, cold caches, work still queued on the GPU). ``--conditions``
+times the isolated calls under conditions a training step brings (the CPU caches flushed, the
+CPU idle for a few ms first, automatic garbage collection off, a forward pass in between) next to
+the in-step calls, wall time only, to tell which of them makes the difference.
 
     python benchmarks/probe_replicate_phases.py [--device-ids 0,1] [--models resnet50,transformer]
     python benchmarks/probe_replicate_phases.py --smoke     # CPU, tiny models
@@ -131,6 +134,68 @@ def probe_in_step(name: str, devices: list[torch.device], calls: int, smoke: boo
     return report(name, net, devices, calls, wall, prof, "inside training steps")
 
 
+def probe_conditions(name: str, devices: list[torch.device], calls: int, smoke: bool) -> str:
+    """Median wall ms of replicate() alone under several conditions, and inside steps."""
+    import gc
+
+    net = bench_train_step.build_model(name, smoke).to(devices[0])
+    x, _ = bench_train_step.make_inputs(name, smoke)
+    x = x.to(devices[0])
+    junk = torch.empty(256 << 20, dtype=torch.uint8)  # larger than the CPU's last-level cache
+
+    def isolated(before) -> float:  # type: ignore[no-untyped-def]
+        wall = []
+        for i in range(calls + 3):
+            before(i)
+            sync(devices)
+            t0 = time.perf_counter()
+            replicas = torchdp.replicate(net, devices)
+            dt = (time.perf_counter() - t0) * 1e3
+            del replicas
+            sync(devices)
+            if i >= 3:
+                wall.append(dt)
+        return statistics.median(wall)
+
+    def forward(_: int) -> None:
+        with torch.no_grad():
+            net(x)
+
+    rows = [
+        ("alone, back to back", isolated(lambda i: None)),
+        ("alone, CPU caches flushed first", isolated(lambda i: junk.fill_(i & 0xFF))),
+        ("alone, CPU idle 20 ms first", isolated(lambda i: time.sleep(0.02))),
+        ("alone, after a forward pass", isolated(forward)),
+    ]
+    gc.disable()
+    try:
+        rows.append(("alone, gc disabled", isolated(lambda i: None)))
+    finally:
+        gc.enable()
+    dp = _TimedReplicate(net, devices=devices)
+    dp.times = []
+    opt = torch.optim.SGD(net.parameters(), lr=1e-3)
+
+    def steps(n: int) -> float:
+        dp.times.clear()
+        for _ in range(n):
+            opt.zero_grad(set_to_none=True)
+            dp(x).float().pow(2).mean().backward()
+            opt.step()
+            sync(devices)
+        return statistics.median(dp.times[3:])
+
+    rows.append(("inside training steps", steps(calls + 3)))
+    gc.disable()
+    try:
+        rows.append(("inside training steps, gc disabled", steps(calls + 3)))
+    finally:
+        gc.enable()
+    lines = [f"{name} onto {[str(d) for d in devices]}: replicate() median wall ms"]
+    lines += [f"    {what:40s} {ms:8.3f}" for what, ms in rows]
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device-ids", default=None, help="e.g. 0,1 (default: all GPUs)")
@@ -141,6 +206,11 @@ def main() -> None:
         "--in-step",
         action="store_true",
         help="also time DataParallel's replicate() calls inside training steps",
+    )
+    parser.add_argument(
+        "--conditions",
+        action="store_true",
+        help="wall time alone under a step's conditions and inside steps (no profiler)",
     )
     args = parser.parse_args()
     if args.smoke:
@@ -155,6 +225,8 @@ def main() -> None:
         print(probe(name.strip(), devices, args.calls, args.smoke), flush=True)
         if args.in_step:
             print(probe_in_step(name.strip(), devices, args.calls, args.smoke), flush=True)
+        if args.conditions:
+            print(probe_conditions(name.strip(), devices, args.calls, args.smoke), flush=True)
 
 
 if __name__ == "__main__":
