@@ -216,6 +216,8 @@ def test_replicate_phases_probe_sees_torchdp_profiler_ranges():
             "mlp200",
             "--calls",
             "3",
+            "--in-step",
+            "--conditions",
         ],
         env=env,
         capture_output=True,
@@ -223,10 +225,19 @@ def test_replicate_phases_probe_sees_torchdp_profiler_ranges():
         timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    for phase in ("walk", "transfer", "build", "device_check"):
-        line = next(
-            (row for row in proc.stdout.splitlines() if f"torchdp.replicate.{phase} " in row), None
-        )
-        assert line is not None, proc.stdout
-        assert line.rstrip().endswith("1.0 calls/call"), line
-    assert "torchdp.broadcast.autograd" in proc.stdout
+    # Two profiled sections (isolated calls, then the calls inside training steps), each with
+    # every phase once per replicate call.
+    sections = proc.stdout.split("inside training steps: median")
+    assert len(sections) == 2, proc.stdout
+    for section in sections:
+        for phase in ("walk", "transfer", "build", "device_check"):
+            line = next(
+                (row for row in section.splitlines() if f"torchdp.replicate.{phase} " in row),
+                None,
+            )
+            assert line is not None, section
+            assert line.rstrip().endswith("1.0 calls/call"), line
+        assert "torchdp.broadcast.autograd" in section
+    # The conditions table: one positive median per condition.
+    rows = proc.stdout.split("replicate() median wall ms")[1].splitlines()[1:8]
+    assert len(rows) == 7 and all(float(r.split()[-1]) > 0 for r in rows), rows
