@@ -6,22 +6,24 @@
 #
 #   bash benchmarks/gpu_call.sh <name> [step ...]
 #
-# Steps, in the order given (default: priority bench probe broadcast test):
+# Steps, in the order given (default: priority bench probe broadcast phases test):
 #   priority  the extension, then the graph, bucket and ordering tests (the ones new since the
 #             last run on this GPU count)
 #   bench     make bench (all modes side by side) and the profiled steps with traces
 #   probe     benchmarks/probe_cuda_graphs.py over all GPUs
 #   broadcast benchmarks/probe_broadcast.py (transports for the transformer's parameters; two GPUs
 #             or more)
+#   phases    benchmarks/probe_replicate_phases.py --in-step --conditions over all GPUs (where
+#             replicate's CPU time goes, alone and inside training steps)
 #   test      make test (TORCHDP_REQUIRE_CUDA=1 with two GPUs or more)
 # Environment: OUT (required), BUDGET_S (seconds for the whole call, default 560),
 # TORCHDP_GIT_REV (pass it: the device tool's copy of the tree may carry an older .git, so the
 # default, git rev-parse --short HEAD, can name the wrong revision).
 set -u -o pipefail
-name=${1:?usage: gpu_call.sh <name> [priority|bench|probe|broadcast|test ...]}
+name=${1:?usage: gpu_call.sh <name> [priority|bench|probe|broadcast|phases|test ...]}
 shift
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(priority bench probe broadcast test)
+[ ${#steps[@]} -eq 0 ] && steps=(priority bench probe broadcast phases test)
 : "${OUT:?OUT must name the folder whose files come back}"
 
 # Never NVLink multicast on shared multi-GPU hosts (also for the processes the steps start).
@@ -93,11 +95,16 @@ for step in "${steps[@]}"; do
         echo "skipped probe-broadcast: needs two GPUs, $gpus visible" | tee -a "$summary"
       fi
       ;;
+    phases)
+      run probe-phases 60 env PYTHONPATH=python python benchmarks/probe_replicate_phases.py \
+        --device-ids "$ids" --in-step --conditions --calls 20
+      ;;
     test)
       run make-test 240 make test JOBS="$jobs"
       ;;
     *)
-      echo "unknown step '$step' (priority, bench, probe, broadcast, test)" | tee -a "$summary"
+      echo "unknown step '$step' (priority, bench, probe, broadcast, phases, test)" |
+        tee -a "$summary"
       ;;
   esac
 done
