@@ -79,7 +79,12 @@ at::Tensor view_into(const at::Tensor& flat, int64_t offset, c10::IntArrayRef si
 
 // `t` with its lazy conjugate and negative bits materialised (itself when it has none): transports
 // that copy bytes (NCCL, peer copies) must not send the bytes of a conj() or neg() view.
+// The bit checks come first: the per-tensor dispatcher calls of resolve_conj()/resolve_neg() add up
+// over the hundreds of parameters of a broadcast.
 at::Tensor resolved(const at::Tensor& t) {
+  if (!t.is_conj() && !t.is_neg()) {
+    return t;
+  }
   return t.resolve_conj().resolve_neg();
 }
 
@@ -271,8 +276,13 @@ std::vector<std::vector<at::Tensor>> broadcast_coalesced(at::TensorList tensors,
       continue;
     }
 #endif
+    // A target on the source's own device (replicas sharing a device, CPU device lists) takes the
+    // fresh flat copy itself, once, instead of a second copy of it.
+    bool flat_given = !fresh;
     for (size_t j = 1; j < devices.size(); ++j) {
-      unflatten_into(copy_to(flat, devices[j]), inputs, bucket, outputs[j]);
+      const bool take = !flat_given && devices[j] == detail::canonical(flat.device());
+      flat_given = flat_given || take;
+      unflatten_into(take ? flat : copy_to(flat, devices[j]), inputs, bucket, outputs[j]);
     }
   }
   for (auto i : singles) {
