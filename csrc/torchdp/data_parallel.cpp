@@ -51,6 +51,34 @@ void DataParallelImpl::init(std::shared_ptr<torch::nn::Module> module, Wrap wrap
   } else if (!device_ids_.empty()) {
     output_device_ = device_ids_.front();
   }
+  constructed_ = options;
+}
+
+void DataParallelImpl::check_fixed_options() const {
+  auto fail = [](const char* name, const std::string& then, const std::string& now) {
+    TORCH_CHECK(false, kApi, ": options.", name, " was changed after construction (", then, " -> ",
+                now,
+                "); it is read only when the DataParallel is made. Make a new "
+                "torchdp::DataParallel with the new options (dim, place_module and bucket_cap_mb "
+                "may change between forwards)");
+  };
+  auto devices_text = [](const std::optional<std::vector<c10::Device>>& d) {
+    return d ? devices_to_string(*d) : std::string("unset");
+  };
+  auto device_text = [](const std::optional<c10::Device>& d) {
+    return d ? d->str() : std::string("unset");
+  };
+  if (options.device_ids() != constructed_.device_ids()) {
+    fail("device_ids", devices_text(constructed_.device_ids()), devices_text(options.device_ids()));
+  }
+  if (options.output_device() != constructed_.output_device()) {
+    fail("output_device", device_text(constructed_.output_device()),
+         device_text(options.output_device()));
+  }
+  if (options.cuda_graphs() != constructed_.cuda_graphs()) {
+    fail("cuda_graphs", constructed_.cuda_graphs() ? "true" : "false",
+         options.cuda_graphs() ? "true" : "false");
+  }
 }
 
 void DataParallelImpl::ensure_placement() {
@@ -83,6 +111,7 @@ std::vector<at::Tensor> DataParallelImpl::run(std::vector<at::Tensor> inputs, co
   for (const auto i : c10::irange(inputs.size())) {
     TORCH_CHECK(inputs[i].defined(), kApi, ": forward argument ", i, " is an undefined tensor");
   }
+  check_fixed_options();
   if (device_ids_.empty()) {
     return {call(any_, inputs)};
   }

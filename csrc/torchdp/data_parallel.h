@@ -21,7 +21,10 @@
 
 namespace torchdp {
 
-/// Options of torchdp::DataParallel.
+/// Options of torchdp::DataParallel. `device_ids`, `output_device` and `cuda_graphs` are read when
+/// the DataParallel is made (changing them later in `DataParallelImpl::options` makes the next
+/// forward fail, naming the option: make a new DataParallel instead); `dim`, `place_module` and
+/// `bucket_cap_mb` are read at every forward.
 struct DataParallelOptions {
   /// The devices to run on. Default: every visible CUDA device; with none, DataParallel calls the
   /// wrapped module directly (as torch.nn.DataParallel does without an accelerator). CPU and meta
@@ -152,6 +155,8 @@ class DataParallelImpl : public torch::nn::Module {
   }
 
   void init(std::shared_ptr<torch::nn::Module> module, Wrap wrap);
+  // Fails when an option read at construction was changed since (see DataParallelOptions).
+  void check_fixed_options() const;
   void ensure_placement();
   // The per-replica outputs (one when passing through or on one device, already on
   // output_device then).
@@ -169,6 +174,8 @@ class DataParallelImpl : public torch::nn::Module {
   std::shared_ptr<detail::GraphedReplicas> graphed_;
   std::vector<c10::Device> device_ids_;
   std::optional<c10::Device> output_device_;
+  // The options read at construction, as given then (check_fixed_options).
+  DataParallelOptions constructed_;
 };
 
 /// A `ModuleHolder` for DataParallelImpl (see its documentation).

@@ -338,6 +338,41 @@ TEST_CASE("cuda_graphs needs CUDA devices", "[cpu][data_parallel]") {
          message.find("CUDA devices") != std::string::npos));
 }
 
+TEST_CASE("options read at construction may not change afterwards; the others may",
+          "[cpu][data_parallel]") {
+  torch::nn::Linear linear(3, 2);
+  const auto x = torch::randn({4, 3});
+  torchdp::DataParallel dp(linear, on(cpu_devices(2)));
+  const auto before = dp->forward(x);
+  SECTION("device_ids") {
+    dp->options.device_ids(cpu_devices(3));
+    TORCHDP_CHECK_THROWS_WITH(dp->forward(x), "torchdp::DataParallel",
+                              "options.device_ids was changed after construction", "[cpu, cpu]",
+                              "[cpu, cpu, cpu]", "Make a new torchdp::DataParallel");
+  }
+  SECTION("output_device") {
+    dp->options.output_device(torch::Device(torch::kCPU));
+    TORCHDP_CHECK_THROWS_WITH(dp->forward(x), "torchdp::DataParallel",
+                              "options.output_device was changed", "unset -> cpu");
+  }
+  SECTION("cuda_graphs") {
+    dp->options.cuda_graphs(true);
+    TORCHDP_CHECK_THROWS_WITH(dp->forward(x), "torchdp::DataParallel",
+                              "options.cuda_graphs was changed", "false -> true");
+  }
+  SECTION("dim and bucket_cap_mb are read at each forward") {
+    dp->options.dim(5);
+    TORCHDP_CHECK_THROWS_WITH(dp->forward(x), "torchdp::DataParallel", "dim 5");
+    dp->options.dim(1);
+    const auto x3 = torch::randn({4, 5, 3});
+    CHECK(torch::allclose(dp->forward(x3), linear(x3)));
+    dp->options.dim(0).bucket_cap_mb(-1.0);
+    TORCHDP_CHECK_THROWS_WITH(dp->forward(x), "bucket_cap_mb");
+    dp->options.bucket_cap_mb(0.5);
+    CHECK(torch::allclose(dp->forward(x), before));
+  }
+}
+
 TEST_CASE("forward_replicas on one device and parallel_loss errors", "[cpu][data_parallel]") {
   torch::nn::Linear linear(3, 2);
   torchdp::DataParallel one(linear, on(cpu_devices(1)));
