@@ -24,9 +24,12 @@ Without GPUs (``--smoke``) the replicas go to two CPU devices.
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -105,8 +108,11 @@ class _TimedReplicate(torchdp.DataParallel):
         return replicas
 
 
-def probe_in_step(name: str, devices: list[torch.device], calls: int, smoke: bool) -> str:
-    """The replicate() calls of DataParallel training steps, each step synchronised at its end."""
+def _training_step(
+    name: str, devices: list[torch.device], smoke: bool
+) -> tuple[torch.nn.Module, torch.Tensor, _TimedReplicate, Callable[[], None]]:
+    """The model, its input, a _TimedReplicate over it and one synchronised training step
+    (zero_grad, forward, loss, backward, SGD step), as the benchmarks time a step."""
     net = bench_train_step.build_model(name, smoke).to(devices[0])
     dp = _TimedReplicate(net, devices=devices)
     dp.times = []
@@ -117,11 +123,25 @@ def probe_in_step(name: str, devices: list[torch.device], calls: int, smoke: boo
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)
-        out = dp(x)
-        bench_train_step.compute_loss(name, out, target).backward()
+        bench_train_step.compute_loss(name, dp(x), target).backward()
         opt.step()
         sync(devices)
 
+    return net, x, dp, step
+
+
+@contextmanager
+def _gc_off() -> Iterator[None]:
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+def probe_in_step(name: str, devices: list[torch.device], calls: int, smoke: bool) -> str:
+    """The replicate() calls of DataParallel training steps, each step synchronised at its end."""
+    net, _, dp, step = _training_step(name, devices, smoke)
     for _ in range(3):
         step()
     dp.times.clear()
@@ -136,14 +156,10 @@ def probe_in_step(name: str, devices: list[torch.device], calls: int, smoke: boo
 
 def probe_conditions(name: str, devices: list[torch.device], calls: int, smoke: bool) -> str:
     """Median wall ms of replicate() alone under several conditions, and inside steps."""
-    import gc
-
-    net = bench_train_step.build_model(name, smoke).to(devices[0])
-    x, _ = bench_train_step.make_inputs(name, smoke)
-    x = x.to(devices[0])
+    net, x, dp, step = _training_step(name, devices, smoke)
     junk = torch.empty(256 << 20, dtype=torch.uint8)  # larger than the CPU's last-level cache
 
-    def isolated(before) -> float:  # type: ignore[no-untyped-def]
+    def isolated(before: Callable[[int], object]) -> float:
         wall = []
         for i in range(calls + 3):
             before(i)
@@ -161,36 +177,23 @@ def probe_conditions(name: str, devices: list[torch.device], calls: int, smoke: 
         with torch.no_grad():
             net(x)
 
+    def in_steps() -> float:
+        dp.times.clear()
+        for _ in range(calls + 3):
+            step()
+        return statistics.median(dp.times[3:])
+
     rows = [
         ("alone, back to back", isolated(lambda i: None)),
         ("alone, CPU caches flushed first", isolated(lambda i: junk.fill_(i & 0xFF))),
         ("alone, CPU idle 20 ms first", isolated(lambda i: time.sleep(0.02))),
         ("alone, after a forward pass", isolated(forward)),
     ]
-    gc.disable()
-    try:
+    with _gc_off():
         rows.append(("alone, gc disabled", isolated(lambda i: None)))
-    finally:
-        gc.enable()
-    dp = _TimedReplicate(net, devices=devices)
-    dp.times = []
-    opt = torch.optim.SGD(net.parameters(), lr=1e-3)
-
-    def steps(n: int) -> float:
-        dp.times.clear()
-        for _ in range(n):
-            opt.zero_grad(set_to_none=True)
-            dp(x).float().pow(2).mean().backward()
-            opt.step()
-            sync(devices)
-        return statistics.median(dp.times[3:])
-
-    rows.append(("inside training steps", steps(calls + 3)))
-    gc.disable()
-    try:
-        rows.append(("inside training steps, gc disabled", steps(calls + 3)))
-    finally:
-        gc.enable()
+    rows.append(("inside training steps", in_steps()))
+    with _gc_off():
+        rows.append(("inside training steps, gc disabled", in_steps()))
     lines = [f"{name} onto {[str(d) for d in devices]}: replicate() median wall ms"]
     lines += [f"    {what:40s} {ms:8.3f}" for what, ms in rows]
     return "\n".join(lines)

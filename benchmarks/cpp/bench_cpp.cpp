@@ -701,6 +701,16 @@ struct Bench {
   }
 };
 
+std::vector<std::string> split_commas(const std::string& list) {
+  std::vector<std::string> items;
+  std::stringstream in(list);
+  std::string item;
+  while (std::getline(in, item, ',')) {
+    items.push_back(item);
+  }
+  return items;
+}
+
 void usage(std::ostream& o) {
   o << "usage: torchdp_bench_cpp --out PATH [--smoke] [--steps N] [--warmup N] "
        "[--libtorch-steps N] [--models LIST] [--device-ids LIST] [--strict]\n"
@@ -760,9 +770,7 @@ int main(int argc, char** argv) {
       libtorch_steps = int_value();
     } else if (a == "--device-ids") {
       const auto list = value();
-      std::stringstream in(list);
-      std::string id;
-      while (std::getline(in, id, ',')) {
+      for (const auto& id : split_commas(list)) {
         size_t used = 0;
         int v = -1;
         try {
@@ -779,9 +787,7 @@ int main(int argc, char** argv) {
       }
     } else if (a == "--models") {
       const auto list = value();
-      std::stringstream in(list);
-      std::string m;
-      while (std::getline(in, m, ',')) {
+      for (const auto& m : split_commas(list)) {
         if (std::find(kModels.begin(), kModels.end(), m) == kModels.end()) {
           std::cerr << "torchdp_bench_cpp: --models: unknown model '" << m << "' in '" << list
                     << "'; expected a comma list of cpp_mlp200, cpp_convnet, cpp_convnet_flat\n";
@@ -896,23 +902,19 @@ int main(int argc, char** argv) {
           },
           mlp_input);
     }
-    if (s.wants("cpp_convnet")) {
-      bench.bench_model<ConvNet>(
-          "cpp_convnet",
-          [&]() {
-            torch::manual_seed(2);
-            return ConvNet(vgg_plan, 3, 10);
-          },
-          conv_input);
-    }
-    if (s.wants("cpp_convnet_flat")) {
-      bench.bench_model<ConvNet>(
-          "cpp_convnet_flat",
-          [&]() {
-            torch::manual_seed(2);
-            return ConvNet(flat_plan, 3, 10);
-          },
-          conv_input);
+    const std::pair<const char*, const std::vector<int64_t>*> conv_nets[] = {
+        {"cpp_convnet", &vgg_plan}, {"cpp_convnet_flat", &flat_plan}};
+    for (const auto& net : conv_nets) {
+      if (s.wants(net.first)) {
+        const auto* plan = net.second;
+        bench.bench_model<ConvNet>(
+            net.first,
+            [plan]() {
+              torch::manual_seed(2);
+              return ConvNet(*plan, 3, 10);
+            },
+            conv_input);
+      }
     }
   } catch (const std::exception& e) {
     // Not expected (every configuration catches its own failures); keep what was measured.

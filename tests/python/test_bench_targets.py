@@ -174,18 +174,20 @@ def test_linear_fit():
     assert r2 < 0.5
 
 
-def test_cpp_targets():
-    def cpp(model, mode, gpus, ms, **extra):
-        return {
-            "bench": "cpp_train_step",
-            "model": model,
-            "mode": mode,
-            "gpus": gpus,
-            "dtype": "fp32",
-            "step_ms_median": ms,
-            **extra,
-        }
+def cpp(model: str, mode: str, gpus: int, ms: float, **extra) -> dict:
+    """A C++ training-step record."""
+    return {
+        "bench": "cpp_train_step",
+        "model": model,
+        "mode": mode,
+        "gpus": gpus,
+        "dtype": "fp32",
+        "step_ms_median": ms,
+        **extra,
+    }
 
+
+def test_cpp_targets():
     records = [
         cpp("cpp_mlp200", "single", 1, 30.0),
         cpp("cpp_mlp200", "libtorch_dp", 2, 300.0),
@@ -209,16 +211,6 @@ def test_cpp_targets():
 
 
 def test_cpp_target_judges_the_reference_models_only() -> None:
-    def cpp(model: str, mode: str, gpus: int, ms: float) -> dict:
-        return {
-            "bench": "cpp_train_step",
-            "model": model,
-            "mode": mode,
-            "gpus": gpus,
-            "dtype": "fp32",
-            "step_ms_median": ms,
-        }
-
     records = [
         cpp("cpp_mlp200", "single", 1, 30.0),
         cpp("cpp_mlp200", "libtorch_dp", 2, 300.0),
@@ -246,24 +238,8 @@ def test_cpp_target_judges_the_reference_models_only() -> None:
 
 def test_replicas_sharing_a_gpu_are_not_judged() -> None:
     records = [
-        {
-            "bench": "cpp_train_step",
-            "model": "cpp_convnet",
-            "mode": "single",
-            "gpus": 1,
-            "dtype": "fp32",
-            "step_ms_median": 12.0,
-            "devices": "cuda:0",
-        },
-        {
-            "bench": "cpp_train_step",
-            "model": "cpp_convnet",
-            "mode": "torchdp",
-            "gpus": 2,
-            "dtype": "fp32",
-            "step_ms_median": 14.0,
-            "devices": "cuda:0,cuda:0",
-        },
+        cpp("cpp_convnet", "single", 1, 12.0, devices="cuda:0"),
+        cpp("cpp_convnet", "torchdp", 2, 14.0, devices="cuda:0,cuda:0"),
     ]
     assert verdict_of(targets.judge(records), "conv net").verdict == targets.NOT_MEASURED
     records[1]["devices"] = "cuda:0,cuda:1"
