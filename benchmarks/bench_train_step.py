@@ -1,7 +1,9 @@
 """Full training steps: single GPU vs torch.nn.DataParallel vs torchdp.DataParallel vs DDP.
 
 Modes: ``single``, ``torch_dp``, ``torchdp``, ``torchdp_serial`` (``torchdp.DataParallel`` with
-``serial_forward=True``), ``torchdp_bucket_grads`` (``torchdp.DataParallel`` with the experimental
+``serial_forward=True``), ``torchdp_new_replicas`` (``torchdp.DataParallel(cache_replicas=False)``:
+new replica modules at every forward, as ``torch.nn.DataParallel`` builds them; only when
+``--modes`` names it), ``torchdp_bucket_grads`` (``torchdp.DataParallel`` with the experimental
 ``TORCHDP_GRAD_DELIVERY=bucket``: each gradient bucket's sums reach the parameters during the
 backward pass), ``torchdp_graphs`` (``torchdp.DataParallel(cuda_graphs=True)``: persistent replicas
 replayed as CUDA graphs) with its one-GPU baseline ``single_graphs`` (the same on the first GPU
@@ -83,6 +85,7 @@ MODES = (
     "torch_dp",
     "torchdp",
     "torchdp_serial",
+    "torchdp_new_replicas",
     "torchdp_bucket_grads",
     "torchdp_graphs",
     "ddp",
@@ -90,6 +93,8 @@ MODES = (
 # torchdp.DataParallel(cuda_graphs=True): over the GPUs, and over the first GPU alone (the one-GPU
 # baseline with the same CUDA graphs). CUDA only, so not in smoke runs.
 GRAPH_MODES = ("single_graphs", "torchdp_graphs")
+# Modes timed only when --modes names them: torchdp_new_replicas shows what kept replicas save.
+OPT_IN_MODES = ("torchdp_new_replicas",)
 # Modes that run on the first GPU alone (their records carry gpus = 1).
 ONE_GPU_MODES = ("single", "single_graphs", "single_shard")
 # Environment of the in-process modes that differ from torchdp's defaults only there.
@@ -180,26 +185,19 @@ def wrap_data_parallel(
             torchdp.DataParallel(module, device_ids=list(range(gpus)), cuda_graphs=True),
             "cuda_graphs=True: persistent replicas, forward and backward replayed as CUDA graphs",
         )
-    if impl in ("torchdp", "torchdp_serial", "torchdp_bucket_grads"):
-        serial = impl == "torchdp_serial"
-        note = (
-            "serial_forward=True: replicas issued in order on the calling thread"
-            if serial
-            else "TORCHDP_GRAD_DELIVERY=bucket (experimental)"
-            if impl == "torchdp_bucket_grads"
-            else None
-        )
+    if impl in ("torchdp", "torchdp_serial", "torchdp_new_replicas", "torchdp_bucket_grads"):
+        options = {
+            "serial_forward": impl == "torchdp_serial",
+            "cache_replicas": impl != "torchdp_new_replicas",
+        }
+        note = {
+            "torchdp_serial": "serial_forward=True: replicas issued in order on the calling thread",
+            "torchdp_new_replicas": "cache_replicas=False: new replica modules at every forward",
+            "torchdp_bucket_grads": "TORCHDP_GRAD_DELIVERY=bucket (experimental)",
+        }.get(impl)
         if smoke:
-            return (
-                torchdp.DataParallel(
-                    module, devices=mode_devices(True, gpus), serial_forward=serial
-                ),
-                note,
-            )
-        return (
-            torchdp.DataParallel(module, device_ids=list(range(gpus)), serial_forward=serial),
-            note,
-        )
+            return torchdp.DataParallel(module, devices=mode_devices(True, gpus), **options), note
+        return torchdp.DataParallel(module, device_ids=list(range(gpus)), **options), note
     raise ValueError(impl)
 
 
@@ -838,8 +836,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     modes = parse_list(args.modes, MODES, "modes")
     run = common.start_run(args, warmup=(3, 1), steps=(10, 2), budget=(200.0, 55.0))
     smoke, warmup, steps, budget = run.smoke, run.warmup, run.steps, run.budget
-    if smoke and args.modes is None:
-        modes = [m for m in modes if m not in GRAPH_MODES]
+    if args.modes is None:
+        modes = [m for m in modes if m not in OPT_IN_MODES and not (smoke and m in GRAPH_MODES)]
     deadline, multi, dev0 = run.deadline, run.multi, run.dev0
     shards = multi
     if args.shards:

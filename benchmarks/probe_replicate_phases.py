@@ -8,7 +8,8 @@ modules) and ``torchdp.replicate.device_check``. This times the call unprofiled 
 and prints each range's CPU ms per call under the profiler, for bench_train_step's models.
 With ``--in-step`` the calls are the ones ``torchdp.DataParallel`` makes inside training steps
 (zero_grad, forward, loss, backward, SGD step, then a synchronisation, as the benchmarks time a
-step), next to the isolated calls: a phase that costs more there than alone shows what the step
+step), with its kept replicas and with new ones at every step (``cache_replicas=False``), each
+with the median step time, next to the isolated calls: a phase that costs more there than alone shows what the step
 around it adds (a busy allocator, cold caches, work still queued on the GPU). ``--conditions``
 times the isolated calls under conditions a training step brings (the CPU caches flushed, the
 CPU idle for a few ms first, automatic garbage collection off, a forward pass in between) next to
@@ -109,12 +110,12 @@ class _TimedReplicate(torchdp.DataParallel):
 
 
 def _training_step(
-    name: str, devices: list[torch.device], smoke: bool
+    name: str, devices: list[torch.device], smoke: bool, cache_replicas: bool = True
 ) -> tuple[torch.nn.Module, torch.Tensor, _TimedReplicate, Callable[[], None]]:
     """The model, its input, a _TimedReplicate over it and one synchronised training step
     (zero_grad, forward, loss, backward, SGD step), as the benchmarks time a step."""
     net = bench_train_step.build_model(name, smoke).to(devices[0])
-    dp = _TimedReplicate(net, devices=devices)
+    dp = _TimedReplicate(net, devices=devices, cache_replicas=cache_replicas)
     dp.times = []
     opt = torch.optim.SGD(net.parameters(), lr=1e-3)
     x, target = bench_train_step.make_inputs(name, smoke)
@@ -139,19 +140,31 @@ def _gc_off() -> Iterator[None]:
         gc.enable()
 
 
-def probe_in_step(name: str, devices: list[torch.device], calls: int, smoke: bool) -> str:
-    """The replicate() calls of DataParallel training steps, each step synchronised at its end."""
-    net, _, dp, step = _training_step(name, devices, smoke)
+def probe_in_step(
+    name: str, devices: list[torch.device], calls: int, smoke: bool, cache_replicas: bool = True
+) -> str:
+    """The replicate() calls of DataParallel training steps, each step synchronised at its end,
+    with kept replicas (the default) or new ones at every step; also the median step time."""
+    net, _, dp, step = _training_step(name, devices, smoke, cache_replicas)
     for _ in range(3):
         step()
     dp.times.clear()
+    steps = []
     for _ in range(calls):
+        t0 = time.perf_counter()
         step()
+        steps.append((time.perf_counter() - t0) * 1e3)
     wall = list(dp.times)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(calls):
             step()
-    return report(name, net, devices, calls, wall, prof, "inside training steps")
+    what = "inside training steps" + ("" if cache_replicas else " (new replicas every step)")
+    text = report(name, net, devices, calls, wall, prof, what)
+    return (
+        text
+        + f"\n    step: median {statistics.median(steps):.3f} ms (p90 "
+        + (f"{sorted(steps)[9 * len(steps) // 10]:.3f})")
+    )
 
 
 def probe_conditions(name: str, devices: list[torch.device], calls: int, smoke: bool) -> str:
@@ -227,7 +240,10 @@ def main() -> None:
     for name in args.models.split(","):
         print(probe(name.strip(), devices, args.calls, args.smoke), flush=True)
         if args.in_step:
-            print(probe_in_step(name.strip(), devices, args.calls, args.smoke), flush=True)
+            for kept in (True, False):
+                print(
+                    probe_in_step(name.strip(), devices, args.calls, args.smoke, kept), flush=True
+                )
         if args.conditions:
             print(probe_conditions(name.strip(), devices, args.calls, args.smoke), flush=True)
 

@@ -46,6 +46,7 @@ MODE_ORDER = [
     "libtorch_dp",
     "torchdp",
     "torchdp_serial",
+    "torchdp_new_replicas",
     "torchdp_bucket_grads",
     "torchdp_graphs",
     "torchdp_balanced",

@@ -62,6 +62,7 @@ struct PythonRefs {
   PyObject* key_is_replica = interned("_is_replica");
   PyObject* key_dict = interned("__dict__");
   PyObject* key_compiled_call = interned("_compiled_call_impl");
+  PyObject* key_clear = interned("clear");
   py::object sys_modules = py::module_::import("sys").attr("modules");
   py::object empty_tuple = py::reinterpret_steal<py::object>(PyTuple_New(0));
   py::module_ module_module = py::module_::import("torch.nn.modules.module");
@@ -318,23 +319,33 @@ struct ReplicaDicts {
   py::object dict, params, buffers, modules, former;
 };
 
+// The dictionaries of a plain replica as _replicate_for_data_parallel leaves them, plus
+// _former_parameters (Note [Two ways to build a replica]), in the (empty) dictionaries `d`.
+void fill_plain_dicts(const ModuleEntry& e, const ReplicaDicts& d) {
+  const auto& r = refs();
+  if (PyDict_Update(d.dict.ptr(), e.dict.ptr()) < 0 ||
+      PyDict_Update(d.buffers.ptr(), e.buffers.ptr()) < 0 ||
+      PyDict_Update(d.modules.ptr(), e.children.ptr()) < 0) {
+    throw py::error_already_set();
+  }
+  dict_set(d.dict.ptr(), r.key_parameters, d.params.ptr());
+  dict_set(d.dict.ptr(), r.key_buffers, d.buffers.ptr());
+  dict_set(d.dict.ptr(), r.key_modules, d.modules.ptr());
+  dict_set(d.dict.ptr(), r.key_is_replica, Py_True);
+  dict_set(d.dict.ptr(), r.key_former, d.former.ptr());
+}
+
 // object.__new__(type(m)) with m's __dict__ copied as _replicate_for_data_parallel does, plus
 // _former_parameters (Note [Two ways to build a replica]).
 py::object new_plain_replica(const ModuleEntry& e, ReplicaDicts& out) {
-  const auto& r = refs();
   PyTypeObject* type = Py_TYPE(e.module.ptr());
-  py::object replica = steal_or_throw(type->tp_new(type, r.empty_tuple.ptr(), nullptr));
-  out.dict = steal_or_throw(PyDict_Copy(e.dict.ptr()));
-  out.params = steal_or_throw(PyDict_New());
-  out.buffers = steal_or_throw(PyDict_Copy(e.buffers.ptr()));
-  out.modules = steal_or_throw(PyDict_Copy(e.children.ptr()));
-  out.former = r.ordered_dict();
-  dict_set(out.dict.ptr(), r.key_parameters, out.params.ptr());
-  dict_set(out.dict.ptr(), r.key_buffers, out.buffers.ptr());
-  dict_set(out.dict.ptr(), r.key_modules, out.modules.ptr());
-  dict_set(out.dict.ptr(), r.key_is_replica, Py_True);
-  dict_set(out.dict.ptr(), r.key_former, out.former.ptr());
-  if (PyObject_GenericSetAttr(replica.ptr(), r.key_dict, out.dict.ptr()) < 0) {
+  py::object replica = steal_or_throw(type->tp_new(type, refs().empty_tuple.ptr(), nullptr));
+  for (py::object* dict : {&out.dict, &out.params, &out.buffers, &out.modules}) {
+    *dict = steal_or_throw(PyDict_New());
+  }
+  out.former = refs().ordered_dict();
+  fill_plain_dicts(e, out);
+  if (PyObject_GenericSetAttr(replica.ptr(), refs().key_dict, out.dict.ptr()) < 0) {
     throw py::error_already_set();
   }
   return replica;
@@ -628,41 +639,69 @@ class PauseGarbageCollection {
   bool was_enabled_;
 };
 
-std::vector<py::list> replicate(py::object network, const std::vector<c10::Device>& devices_in,
-                                bool detach, std::optional<int64_t> grad_bucket_bytes) {
-  if (devices_in.empty()) {
-    return {};
-  }
-  const auto devices = normalize_devices(devices_in, kApi);
-  const size_t n = devices.size();
-  const PauseGarbageCollection no_gc; // Note [No garbage collection while replicas are built]
-  std::optional<detail::ProfilerRange> phase;
-  phase.emplace("torchdp.replicate.walk");
-
+// Everything one replicate call learns from the network before its transfer: the modules, their
+// tensors split as PyTorch splits them, and what the replicas may be built with. Filled in place
+// (the entries point into `types`), never moved.
+struct Source {
   TypeTable types;
-  const Network net = walk_network(network, types);
-  check_replicatable(net, types);
-  auto [params, buffers] = parameters_and_buffers(network, net);
+  Network net;
+  TensorCopies tensors;
+  std::vector<c10::Device> devices;
+  std::vector<at::Tensor> param_tensors, rg_buffers, plain_buffers;
+  bool detach = false;
+  // No global module/parameter/buffer registration hooks: plain modules take dictionary
+  // operations (Note [Two ways to build a replica]).
+  bool fast = true;
+  // Every module takes dictionary operations and none carries a compiled call: the replicas are
+  // exactly what the dictionary operations make, so their devices need no check without hooks or
+  // callbacks, and they may be kept between calls (Note [Kept replicas]).
+  bool plain_only = true;
+};
+
+bool dict_ops(const Source& s, const ModuleEntry& e) {
+  return e.plain && (s.fast || e.type->optimized);
+}
+
+bool has_compiled_call(const ModuleEntry& e) {
+  if (!e.dict || !PyDict_Check(e.dict.ptr())) {
+    return false;
+  }
+  PyObject* compiled = PyDict_GetItemWithError(e.dict.ptr(), refs().key_compiled_call); // borrowed
+  if (compiled == nullptr && PyErr_Occurred()) {
+    throw py::error_already_set();
+  }
+  return compiled != nullptr && compiled != Py_None;
+}
+
+void prepare(Source& s, py::handle network, const std::vector<c10::Device>& devices_in,
+             bool detach) {
+  s.devices = normalize_devices(devices_in, kApi);
+  s.detach = detach;
+  s.net = walk_network(network, s.types);
+  check_replicatable(s.net, s.types);
+  s.fast = !registration_hooks_installed();
+  for (const auto& e : s.net.modules) {
+    s.plain_only = s.plain_only && dict_ops(s, e) && !e.type->optimized && !has_compiled_call(e);
+  }
+  auto [params, buffers] = parameters_and_buffers(network, s.net);
 
   // Parameters, and buffers split as PyTorch splits them: buffers that require grad are broadcast
   // differentiably (unless detached), the others never.
-  TensorCopies tensors;
-  std::vector<at::Tensor> param_tensors;
-  param_tensors.reserve(params.size());
+  s.param_tensors.reserve(params.size());
   for (const auto i : c10::irange(params.size())) {
-    tensors.param_index.emplace(params[i].ptr(), i);
-    param_tensors.push_back(tensor_of(params[i], "parameter"));
+    s.tensors.param_index.emplace(params[i].ptr(), i);
+    s.param_tensors.push_back(tensor_of(params[i], "parameter"));
   }
-  std::vector<at::Tensor> rg_buffers, plain_buffers;
   for (const auto i : c10::irange(buffers.size())) {
     const auto& t = tensor_of(buffers[i], "buffer");
     const bool rg = t.requires_grad() && !detach;
-    auto& group = rg ? rg_buffers : plain_buffers;
-    tensors.buffer_index.emplace(buffers[i].ptr(), std::make_pair(rg, group.size()));
+    auto& group = rg ? s.rg_buffers : s.plain_buffers;
+    s.tensors.buffer_index.emplace(buffers[i].ptr(), std::make_pair(rg, group.size()));
     group.push_back(t);
   }
 
   // Every tensor must already be on devices[0]: name the first one that is not.
+  const auto& devices = s.devices;
   auto check_source = [&](const std::vector<at::Tensor>& group, const char* what) {
     for (const auto& t : group) {
       if (detail::canonical(t.device()) != devices[0]) {
@@ -682,16 +721,19 @@ std::vector<py::list> replicate(py::object network, const std::vector<c10::Devic
       }
     }
   };
-  check_source(param_tensors, "parameter");
-  check_source(rg_buffers, "buffer");
-  check_source(plain_buffers, "buffer");
+  check_source(s.param_tensors, "parameter");
+  check_source(s.rg_buffers, "buffer");
+  check_source(s.plain_buffers, "buffer");
+}
 
+// The broadcast of every tensor (differentiable unless detached) and the Python objects of the
+// copies, per device (the dev0 outputs of a detached broadcast are the originals).
+void transfer(Source& s, std::optional<int64_t> grad_bucket_bytes) {
   TORCH_CHECK_VALUE(!grad_bucket_bytes || *grad_bucket_bytes >= 0, kApi,
                     ": grad_bucket_bytes must be >= 0 (0: one bucket), got ",
                     grad_bucket_bytes.value_or(0));
+  const size_t n = s.devices.size();
   std::vector<std::vector<at::Tensor>> param_copies, rg_copies, plain_copies;
-  phase.reset();
-  phase.emplace("torchdp.replicate.transfer");
   {
     py::gil_scoped_release no_gil;
     std::optional<autograd::GradBucketSizeGuard> bucket_size;
@@ -702,17 +744,13 @@ std::vector<py::list> replicate(py::object network, const std::vector<c10::Devic
       if (group.empty()) {
         return std::vector<std::vector<at::Tensor>>(n);
       }
-      return differentiable ? autograd::broadcast_coalesced(group, devices)
-                            : comm::broadcast_coalesced(group, devices);
+      return differentiable ? autograd::broadcast_coalesced(group, s.devices)
+                            : comm::broadcast_coalesced(group, s.devices);
     };
-    param_copies = broadcast(param_tensors, !detach);
-    rg_copies = broadcast(rg_buffers, true);
-    plain_copies = broadcast(plain_buffers, false);
+    param_copies = broadcast(s.param_tensors, !s.detach);
+    rg_copies = broadcast(s.rg_buffers, true);
+    plain_copies = broadcast(s.plain_buffers, false);
   }
-
-  phase.reset();
-  phase.emplace("torchdp.replicate.build");
-  // Python objects for the copies (the dev0 outputs of a detached broadcast are the originals).
   auto wrap = [](std::vector<at::Tensor>& group) {
     py::list out(group.size());
     for (const auto k : c10::irange(group.size())) {
@@ -720,28 +758,28 @@ std::vector<py::list> replicate(py::object network, const std::vector<c10::Devic
     }
     return out;
   };
-  tensors.params.resize(n);
-  tensors.rg_buffers.resize(n);
-  tensors.plain_buffers.resize(n);
+  s.tensors.params.resize(n);
+  s.tensors.rg_buffers.resize(n);
+  s.tensors.plain_buffers.resize(n);
   for (const auto j : c10::irange(n)) {
-    tensors.params[j] = wrap(param_copies[j]);
-    tensors.rg_buffers[j] = wrap(rg_copies[j]);
-    tensors.plain_buffers[j] = wrap(plain_copies[j]);
+    s.tensors.params[j] = wrap(param_copies[j]);
+    s.tensors.rg_buffers[j] = wrap(rg_copies[j]);
+    s.tensors.plain_buffers[j] = wrap(plain_copies[j]);
   }
+}
 
-  // One copy per module and device (Note [Two ways to build a replica]).
-  const bool fast = !registration_hooks_installed();
-  const size_t count = net.modules.size();
+// New replica objects, one per module and device (Note [Two ways to build a replica]), wired to
+// the copies; `dicts[j][i]` gets the dictionaries of the replicas built with dictionary operations.
+std::vector<py::list> build(const Source& s, std::vector<std::vector<ReplicaDicts>>& dicts) {
+  const size_t n = s.devices.size();
+  const size_t count = s.net.modules.size();
   std::vector<py::list> copies(n);
-  std::vector<std::vector<ReplicaDicts>> dicts(n, std::vector<ReplicaDicts>(count));
+  dicts.assign(n, std::vector<ReplicaDicts>(count));
   for (const auto j : c10::irange(n)) {
     copies[j] = py::list(count);
   }
-  auto dict_ops = [&](const ModuleEntry& e) {
-    return e.plain && (fast || e.type->optimized);
-  };
   for (const auto i : c10::irange(count)) {
-    const auto& e = net.modules[i];
+    const auto& e = s.net.modules[i];
     TORCH_CHECK(
         !e.type->optimized || e.plain, kApi, ": cannot replicate the torch.compile wrapper ",
         std::string(py::str(py::type::of(e.module).attr("__qualname__"))),
@@ -749,7 +787,7 @@ std::vector<py::list> replicate(py::object network, const std::vector<c10::Devic
         "__new__ or _replicate_for_data_parallel. Replicate the wrapped eager module instead "
         "(wrapper._orig_mod), compiled in place with module.compile() if it should run compiled");
     for (const auto j : c10::irange(n)) {
-      if (dict_ops(e)) {
+      if (dict_ops(s, e)) {
         copies[j][i] = new_plain_replica(e, dicts[j][i]);
       } else {
         py::object replica = e.module.attr("_replicate_for_data_parallel")();
@@ -759,18 +797,232 @@ std::vector<py::list> replicate(py::object network, const std::vector<c10::Devic
     }
   }
   for (const auto i : c10::irange(count)) {
-    const auto& e = net.modules[i];
-    if (!dict_ops(e)) {
-      wire_with_setattr(e, i, copies, net, tensors);
+    const auto& e = s.net.modules[i];
+    if (!dict_ops(s, e)) {
+      wire_with_setattr(e, i, copies, s.net, s.tensors);
       continue;
     }
     for (const auto j : c10::irange(n)) {
-      wire_plain(e, j, copies, dicts, i, net, tensors, detach && j == 0);
+      wire_plain(e, j, copies, dicts, i, s.net, s.tensors, s.detach && j == 0);
     }
   }
-  recompile_replicas(net, copies);
+  recompile_replicas(s.net, copies);
   return copies;
 }
+
+struct Replicas {
+  std::vector<py::list> copies;
+  bool plain_only = false; // see Source::plain_only
+};
+
+Replicas replicate(py::handle network, const std::vector<c10::Device>& devices_in, bool detach,
+                   std::optional<int64_t> grad_bucket_bytes) {
+  if (devices_in.empty()) {
+    return {};
+  }
+  const PauseGarbageCollection no_gc; // Note [No garbage collection while replicas are built]
+  std::optional<detail::ProfilerRange> phase;
+  phase.emplace("torchdp.replicate.walk");
+  Source s;
+  prepare(s, network, devices_in, detach);
+  phase.reset();
+  phase.emplace("torchdp.replicate.transfer");
+  transfer(s, grad_bucket_bytes);
+  phase.reset();
+  phase.emplace("torchdp.replicate.build");
+  std::vector<std::vector<ReplicaDicts>> dicts;
+  return {build(s, dicts), s.plain_only};
+}
+
+// Note [Kept replicas]
+// torchdp.DataParallel keeps its replicas between forwards, as the C++ DataParallel does: building
+// them makes a module object and five dictionaries per module and device, thousands of objects per
+// step that the garbage collector then counts and scans, and that are freed again at the end of
+// the forward. A ReplicaCache instead
+//   * lends the replicas it built or refreshed (replicate), and takes them back at the end of the
+//     forward (park). Park checks that nothing but the replicas themselves still refers to any
+//     replica module: the reference count of every replica module is the one it had when the
+//     replicas were wired (the cache's own reference plus those of parent replicas). A replica
+//     still held elsewhere (by a checkpointed forward that runs again in the backward pass, a hook
+//     that stored it, a failed forward's traceback, a forward running in another thread) is
+//     dropped from the cache and left as it is; the next call builds new replicas. A parked replica
+//     is unreachable from Python, so its dictionaries are emptied at once: the copies on the other
+//     devices are freed when the autograd graph lets go of them, as with replicas that die.
+//   * reuses parked replicas when the network's walk finds the same module objects, in the same
+//     order, of the same classes, all built with dictionary operations and none compiled (anything
+//     else builds anew). Each reused replica's dictionaries are refilled exactly as a new replica's
+//     are filled (its __dict__ a copy of the original's, its own _parameters, _buffers and
+//     _modules, the copies of this call), so training flags, plain attributes, registered tensors
+//     and children that changed since the last call show up as they would in new replicas, and
+//     whatever the last forward wrote into a replica is gone.
+// Replicas lent and never parked (the forward failed, a second call came first) are dropped by the
+// next call, before its transfer, so that their copies do not stay alive next to the new ones.
+class ReplicaCache {
+ public:
+  // (copies, plain_only, reused), as torchdp._C.replicate's copies.
+  py::tuple replicate(py::handle network, const std::vector<c10::Device>& devices_in, bool detach,
+                      std::optional<int64_t> grad_bucket_bytes) {
+    TORCH_CHECK_VALUE(!devices_in.empty(), kApi, ": ReplicaCache.replicate needs a device");
+    const PauseGarbageCollection no_gc; // Note [No garbage collection while replicas are built]
+    std::optional<detail::ProfilerRange> phase;
+    phase.emplace("torchdp.replicate.walk");
+    Source s;
+    prepare(s, network, devices_in, detach);
+    // Taken out of the cache for this call: a concurrent call (the transfer releases the GIL)
+    // finds it empty and builds its own.
+    std::unique_ptr<State> state = std::move(state_);
+    if (state && !(state->parked && reusable(*state, s))) {
+      state.reset(); // before the transfer: its copies go first
+    }
+    phase.reset();
+    phase.emplace("torchdp.replicate.transfer");
+    transfer(s, grad_bucket_bytes);
+    phase.reset();
+    phase.emplace("torchdp.replicate.build");
+    const bool reused = static_cast<bool>(state);
+    std::vector<py::list> copies;
+    if (reused) {
+      copies = refill(*state, s);
+      ++reuses_;
+    } else {
+      std::vector<std::vector<ReplicaDicts>> dicts;
+      copies = build(s, dicts);
+      ++builds_;
+      if (s.plain_only) {
+        state = std::make_unique<State>();
+        state->devices = s.devices;
+        for (const auto& e : s.net.modules) {
+          state->originals.push_back(e.module);
+          state->types.push_back(Py_TYPE(e.module.ptr()));
+        }
+        state->replicas.resize(copies.size());
+        for (const auto j : c10::irange(copies.size())) {
+          for (auto replica : copies[j]) {
+            state->replicas[j].push_back(py::reinterpret_borrow<py::object>(replica));
+          }
+        }
+        state->dicts = std::move(dicts);
+      }
+    }
+    if (state) {
+      // The reference counts with only the cache, the replicas and `copies` (one each) holding
+      // them.
+      state->expected.assign(copies.size(), {});
+      for (const auto j : c10::irange(copies.size())) {
+        for (const auto& replica : state->replicas[j]) {
+          state->expected[j].push_back(Py_REFCNT(replica.ptr()) - 1);
+        }
+      }
+      state->parked = false;
+      state_ = std::move(state);
+    }
+    py::list out;
+    for (auto& list : copies) {
+      out.append(std::move(list));
+    }
+    return py::make_tuple(out, s.plain_only, reused);
+  }
+
+  // Takes the lent replicas back (Note [Kept replicas]); true when they are kept.
+  bool park() {
+    if (!state_ || state_->parked) {
+      return state_ != nullptr;
+    }
+    const detail::ProfilerRange range("torchdp.replicate.park");
+    // Out of the cache while it is checked and emptied: freeing the copies may run Python code
+    // (finalizers, weakref callbacks), and with it another thread's call.
+    std::unique_ptr<State> state = std::move(state_);
+    for (const auto j : c10::irange(state->replicas.size())) {
+      for (const auto i : c10::irange(state->replicas[j].size())) {
+        if (Py_REFCNT(state->replicas[j][i].ptr()) != state->expected[j][i]) {
+          return false; // still in use: left to its holders
+        }
+      }
+    }
+    for (auto& device_dicts : state->dicts) {
+      for (auto& d : device_dicts) {
+        clear(d);
+      }
+    }
+    state->parked = true;
+    if (state_) {
+      return false; // another call kept its own replicas meanwhile
+    }
+    state_ = std::move(state);
+    return true;
+  }
+
+  void drop() {
+    state_.reset();
+  }
+
+  int64_t builds() const {
+    return builds_;
+  }
+  int64_t reuses() const {
+    return reuses_;
+  }
+  // "empty", "lent" or "parked".
+  std::string state() const {
+    return !state_ ? "empty" : state_->parked ? "parked" : "lent";
+  }
+
+ private:
+  struct State {
+    std::vector<c10::Device> devices;
+    std::vector<py::object> originals; // network.modules() order
+    std::vector<PyTypeObject*> types;
+    std::vector<std::vector<py::object>> replicas; // [device][module]
+    std::vector<std::vector<ReplicaDicts>> dicts;
+    std::vector<std::vector<Py_ssize_t>> expected; // reference counts when lent (see park)
+    bool parked = false;
+  };
+
+  static bool reusable(const State& state, const Source& s) {
+    if (!s.plain_only || state.devices != s.devices ||
+        state.originals.size() != s.net.modules.size()) {
+      return false;
+    }
+    for (const auto i : c10::irange(state.originals.size())) {
+      const auto& e = s.net.modules[i];
+      if (!state.originals[i].is(e.module) || state.types[i] != Py_TYPE(e.module.ptr())) {
+        return false;
+      }
+    }
+    return true;
+  }
+
+  static void clear(ReplicaDicts& d) {
+    for (const py::object* dict : {&d.dict, &d.params, &d.buffers, &d.modules}) {
+      PyDict_Clear(dict->ptr());
+    }
+    py::object none = steal_or_throw(PyObject_CallMethodNoArgs(d.former.ptr(), refs().key_clear));
+  }
+
+  static std::vector<py::list> refill(const State& state, const Source& s) {
+    const size_t n = state.replicas.size();
+    const size_t count = s.net.modules.size();
+    std::vector<py::list> copies(n);
+    for (const auto j : c10::irange(n)) {
+      copies[j] = py::list(count);
+      for (const auto i : c10::irange(count)) {
+        copies[j][i] = state.replicas[j][i];
+        fill_plain_dicts(s.net.modules[i], state.dicts[j][i]);
+      }
+    }
+    for (const auto i : c10::irange(count)) {
+      for (const auto j : c10::irange(n)) {
+        wire_plain(s.net.modules[i], j, copies, state.dicts, i, s.net, s.tensors,
+                   s.detach && j == 0);
+      }
+    }
+    return copies;
+  }
+
+  std::unique_ptr<State> state_;
+  int64_t builds_ = 0;
+  int64_t reuses_ = 0;
+};
 
 [[noreturn]] void misplaced_error(const std::string& api, size_t j, c10::Device expected,
                                   const std::string& path, py::handle module,
@@ -916,8 +1168,22 @@ bool all_on_device(py::handle module, const c10::Device& device_in) {
 void init_replicate(py::module_& m) {
   // wrap_pybind_function: c10 errors become the matching Python exceptions (RuntimeError,
   // ValueError, ...) and TORCH_WARN becomes a Python warning, as in torch's own bindings.
-  m.def("replicate", torch::wrap_pybind_function(replicate), py::arg("network"), py::arg("devices"),
-        py::arg("detach") = false, py::arg("grad_bucket_bytes") = py::none(),
+  m.def("replicate",
+        torch::wrap_pybind_function([](py::object network, const std::vector<c10::Device>& devices,
+                                       bool detach, std::optional<int64_t> grad_bucket_bytes,
+                                       bool report) -> py::object {
+          auto result = replicate(network, devices, detach, grad_bucket_bytes);
+          py::list copies;
+          for (auto& list : result.copies) {
+            copies.append(std::move(list));
+          }
+          if (report) {
+            return py::make_tuple(copies, result.plain_only);
+          }
+          return std::move(copies);
+        }),
+        py::arg("network"), py::arg("devices"), py::arg("detach") = false,
+        py::arg("grad_bucket_bytes") = py::none(), py::kw_only(), py::arg("report") = false,
         R"doc(Replicates a Python nn.Module onto `devices` (see csrc/python/API.md).
 
 Returns one list per device with the replica of every module of list(network.modules()), in that
@@ -929,7 +1195,29 @@ _replicate_for_data_parallel() and setattr. Custom __setattr__ overrides that sw
 are repaired (with a one-time UserWarning per class and attribute). The original's tensors are never
 written. Raises RuntimeError for a ScriptModule with Python modules below it. grad_bucket_bytes sets
 the gradient bucket size of the parameters' backward (default: TORCHDP_GRAD_BUCKET_MB, else 25 MiB;
-0: one bucket).)doc");
+0: one bucket). With report=True it returns (copies, plain_only): plain_only is True when every
+module was built with dictionary operations and none is compiled, so that every registered tensor of
+the replicas is on its device by construction (only hooks and callbacks can move them).)doc");
+  py::class_<ReplicaCache>(m, "ReplicaCache", R"doc(Replicas kept between the forwards of one
+DataParallel (replicate_py.cpp, Note [Kept replicas]).)doc")
+      .def(py::init<>())
+      .def("replicate",
+           torch::wrap_pybind_function([](ReplicaCache& self, py::object network,
+                                          const std::vector<c10::Device>& devices, bool detach,
+                                          std::optional<int64_t> grad_bucket_bytes) {
+             return self.replicate(network, devices, detach, grad_bucket_bytes);
+           }),
+           py::arg("network"), py::arg("devices"), py::arg("detach") = false,
+           py::arg("grad_bucket_bytes") = py::none(),
+           R"doc(As replicate(..., report=True), plus whether parked replicas were reused:
+(copies, plain_only, reused). The replicas are lent until park().)doc")
+      .def("park", &ReplicaCache::park,
+           R"doc(Takes the lent replicas back when nothing but the cache and the replicas refer to
+them (their dictionaries are then emptied); otherwise drops them from the cache. True when kept.)doc")
+      .def("drop", &ReplicaCache::drop, "Forgets the kept replicas.")
+      .def_property_readonly("builds", &ReplicaCache::builds, "Replica sets built so far.")
+      .def_property_readonly("reuses", &ReplicaCache::reuses, "Calls that reused parked replicas.")
+      .def_property_readonly("state", &ReplicaCache::state, "'empty', 'lent' or 'parked'.");
   m.def(
       "check_replica_devices",
       torch::wrap_pybind_function([](const std::vector<py::list>& copies,

@@ -1,5 +1,6 @@
 # Type stubs for torchdp._C, the pybind11 extension (see csrc/python/API.md).
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -45,7 +46,28 @@ def replicate(
     devices: Sequence[torch.device],
     detach: bool = False,
     grad_bucket_bytes: int | None = None,
-) -> list[list[nn.Module]]: ...
+    *,
+    report: bool = False,
+) -> Any: ...  # list[list[nn.Module]], or (that, plain_only) with report=True
+
+class ReplicaCache:
+    def __init__(self) -> None: ...
+    def replicate(
+        self,
+        network: nn.Module,
+        devices: Sequence[torch.device],
+        detach: bool = False,
+        grad_bucket_bytes: int | None = None,
+    ) -> tuple[list[list[nn.Module]], bool, bool]: ...
+    def park(self) -> bool: ...
+    def drop(self) -> None: ...
+    @property
+    def builds(self) -> int: ...
+    @property
+    def reuses(self) -> int: ...
+    @property
+    def state(self) -> str: ...
+
 def all_on_device(module: nn.Module, device: torch.device) -> bool: ...
 def check_replica_devices(
     copies: Sequence[list[nn.Module]],

@@ -25,7 +25,7 @@ from torchdp import _C
 from torchdp._attributes import check_stale_attribute_policy
 from torchdp._graphs import MAX_SIGNATURES, GraphedReplicas
 from torchdp.parallel_apply import parallel_apply
-from torchdp.replicate import _bucket_bytes, _check_module, replicate
+from torchdp.replicate import _bucket_bytes, _check_module, _replicate, replicate
 from torchdp.scatter_gather import (
     DeviceLike,
     _check_dim,
@@ -123,6 +123,10 @@ def _check_cuda_graphs(cuda_graphs: Any) -> int:
 # The graphed replicas of each DataParallel with cuda_graphs (outside the module, so that copying
 # or pickling the wrapper never meets CUDA graphs; they are rebuilt at the next forward).
 _GRAPHED: weakref.WeakKeyDictionary[nn.Module, GraphedReplicas] = weakref.WeakKeyDictionary()
+
+# The replicas each DataParallel keeps between forwards (cache_replicas; Note [Kept replicas] in
+# csrc/python/replicate_py.cpp), outside the module for the same reasons.
+_REPLICA_CACHES: weakref.WeakKeyDictionary[nn.Module, _C.ReplicaCache] = weakref.WeakKeyDictionary()
 
 
 def _check_module_device(
@@ -229,6 +233,18 @@ class DataParallel(_TorchDataParallel[T]):
             built, not per forward; :meth:`replicate` and :meth:`parallel_apply` are not called.
             A second forward before the first one's backward runs eagerly. See Note [Graphed
             replicas] in ``torchdp/_graphs.py``. CUDA devices only. Default: ``False``.
+        cache_replicas (bool, keyword-only): keep the replica modules between forwards and refill
+            them at each forward instead of building new ones (the C++ ``DataParallel`` does the
+            same). A kept replica gets a fresh copy of the module's attributes, parameters,
+            buffers and submodules at every forward, exactly as a new one would, so changes to the
+            module between forwards show up and nothing a forward writes into a replica
+            survives. Replicas that are still referenced after the forward (by a checkpointed
+            forward, a hook that stored them, a forward in another thread) are not reused, and a
+            change of the module's structure (other submodule objects, classes, device list)
+            builds new ones. Modules with a class of their own ``__setattr__``,
+            ``_replicate_for_data_parallel`` or ``__new__``, and compiled modules, get new
+            replicas every time. ``False`` builds new replicas at every forward, as
+            ``torch.nn.DataParallel`` does. Default: ``True``.
 
     Attributes:
         module (Module): the module to be parallelized.
@@ -247,6 +263,7 @@ class DataParallel(_TorchDataParallel[T]):
     bucket_cap_mb: float | None = None
     stale_attributes: str | None = None
     cuda_graphs: int = 0
+    cache_replicas: bool = True
     _place_module: bool = False
     _placed: bool = False
 
@@ -264,6 +281,7 @@ class DataParallel(_TorchDataParallel[T]):
         bucket_cap_mb: float | None = None,
         stale_attributes: str | None = None,
         cuda_graphs: bool | int = False,
+        cache_replicas: bool = True,
     ) -> None:
         # Deliberately not torch.nn.DataParallel.__init__: the base class is only there for
         # isinstance checks.
@@ -280,6 +298,7 @@ class DataParallel(_TorchDataParallel[T]):
             stale_attributes, "torchdp.DataParallel"
         )
         self.cuda_graphs = _check_cuda_graphs(cuda_graphs)
+        self.cache_replicas = bool(cache_replicas)
 
         if devices is not None:
             device_list, self.output_device = _resolve_explicit(
@@ -376,6 +395,10 @@ class DataParallel(_TorchDataParallel[T]):
                     )
                 replicas = self.replicate(self.module, self.device_ids[: len(inputs)])
                 outputs = self.parallel_apply(replicas, inputs, module_kwargs)
+                del replicas
+                cache = _REPLICA_CACHES.get(self)
+                if cache is not None:
+                    cache.park()  # Note [Kept replicas]: kept only when nothing holds them
             if not self.gather_output:
                 return list(outputs)
             return self.gather(outputs, self.output_device)
@@ -395,6 +418,19 @@ class DataParallel(_TorchDataParallel[T]):
     def replicate(self, module: T, device_ids: Sequence[int | torch.device]) -> list[T]:
         """Replicates :attr:`module` on :attr:`device_ids` (detached under ``torch.no_grad()``)."""
         detach = not torch.is_grad_enabled()
+        if self.cache_replicas and module is self.module:
+            cache = _REPLICA_CACHES.get(self)
+            if cache is None:
+                cache = _REPLICA_CACHES[self] = _C.ReplicaCache()
+            return _replicate(
+                module,
+                device_ids,
+                detach,
+                self.bucket_cap_mb,
+                self.stale_attributes,
+                cache,
+                "torchdp.replicate",
+            )
         if self.bucket_cap_mb is None and self.stale_attributes is None:  # PyTorch's call
             return replicate(module, device_ids, detach)
         return replicate(

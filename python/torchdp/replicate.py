@@ -7,14 +7,18 @@ differentiably only when they require grad, device-0 storage shared with the ori
 direct-placement fallback when a custom ``__setattr__`` swallows an assignment). For modules whose
 class keeps ``nn.Module``'s ``__new__``, ``__setattr__`` and ``_replicate_for_data_parallel``, the
 same replica is built with direct dictionary operations instead of those Python calls, which makes
-replication several times faster than ``torch.nn.parallel.replicate``; nothing is cached between
-calls, so every change to the module shows up in the next replicas. This module then
+replication several times faster than ``torch.nn.parallel.replicate``. :func:`replicate` builds new
+replicas at every call; ``torchdp.DataParallel`` keeps its replicas between forwards and refills
+them at each one (``_C.ReplicaCache``, Note [Kept replicas] in ``csrc/python/replicate_py.cpp``),
+so either way every change to the module shows up in the next replicas. This module then
 runs, in order:
 
 1. the registered post-replicate hooks (:mod:`torchdp.hooks`),
 2. the ``__data_parallel_replicate__(ctx, copy_id)`` callbacks of modules that define them (the
    Synchronized-BatchNorm convention, so SyncBN works without ``DataParallelWithCallback``),
-3. the replica device check (``torchdp._C.check_replica_devices``),
+3. the replica device check (``torchdp._C.check_replica_devices``), when hooks or callbacks ran or
+   a module was built with ``setattr`` (replicas made only with dictionary operations hold the
+   copies made for their device),
 4. with ``stale_attributes=``, the check of plain attributes still referring to the source
    device's tensors and modules (:mod:`torchdp._attributes`).
 """
@@ -57,10 +61,11 @@ def _run_post_replicate_hooks(
     copies: list[list[nn.Module]],
     devices: list[torch.device],
     network: nn.Module,
-) -> None:
+) -> bool:
+    """Runs the hooks registered for the network's modules; False when there are none."""
     hooks = [_hooks_for(m) for m in modules]
     if not any(hooks):
-        return
+        return False
     paths = _module_paths(network)
     contexts = [
         ReplicaContext(paths.get(id(m), ""), devices) if entries else None
@@ -80,23 +85,25 @@ def _run_post_replicate_hooks(
                         f"{type(modules[p]).__qualname__}) of replica {j} on device {device}: "
                         f"{type(e).__name__}: {e}"
                     ) from e
+    return True
 
 
-def _run_replication_callbacks(copies: list[list[nn.Module]]) -> None:
+def _run_replication_callbacks(copies: list[list[nn.Module]]) -> bool:
     # Synchronized-BatchNorm's execute_replication_callbacks: one ctx per module position, shared
     # by all copies; the master copy (copy_id 0) of every module first, then replica 1, ...
+    # False when no module has a callback.
     if not copies:
-        return
+        return False
     # One attribute lookup per class, not per module (hasattr on a missing class attribute is
     # slow, and models have hundreds of modules of a few classes).
     with_callback = {
         cls for cls in {type(m) for m in copies[0]} if hasattr(cls, "__data_parallel_replicate__")
     }
     if not with_callback:
-        return
+        return False
     callbacks = [p for p, m in enumerate(copies[0]) if type(m) in with_callback]
     if not callbacks:
-        return
+        return False
     contexts = {p: CallbackContext() for p in callbacks}
     for copy_id, replica_modules in enumerate(copies):
         for p in callbacks:
@@ -113,6 +120,7 @@ def _run_replication_callbacks(copies: list[list[nn.Module]]) -> None:
                         f"{path!r} (type {type(module).__qualname__}) for copy_id {copy_id}"
                     )
                 raise
+    return True
 
 
 def _check_module(network: object, api: str) -> None:
@@ -187,18 +195,40 @@ def replicate(
     """
     _check_module(network, _API)
     check_stale_attribute_policy(stale_attributes, _API)
+    return _replicate(network, devices, bool(detach), bucket_cap_mb, stale_attributes, None, _API)
+
+
+def _replicate(
+    network: T,
+    devices: Sequence[DeviceLike],
+    detach: bool,
+    bucket_cap_mb: float | None,
+    stale_attributes: str | None,
+    cache: _C.ReplicaCache | None,
+    api: str,
+) -> list[T]:
+    """:func:`replicate` after its argument checks; with ``cache``, the replicas are that
+    ``ReplicaCache``'s (lent until its ``park()``; Note [Kept replicas] in
+    ``csrc/python/replicate_py.cpp``)."""
     if not devices:
         return []
-    device_list = _to_devices(devices, _API)
-    copies: list[list[nn.Module]] = _C.replicate(
-        network, device_list, bool(detach), _bucket_bytes(bucket_cap_mb, _API)
+    device_list = _to_devices(devices, api)
+    bucket_bytes = _bucket_bytes(bucket_cap_mb, api)
+    copies: list[list[nn.Module]]
+    if cache is None:
+        copies, plain_only = _C.replicate(network, device_list, detach, bucket_bytes, report=True)
+    else:
+        copies, plain_only, _ = cache.replicate(network, device_list, detach, bucket_bytes)
+    hooked = _has_hooks() and _run_post_replicate_hooks(
+        list(network.modules()), copies, device_list, network
     )
-    if _has_hooks():
-        _run_post_replicate_hooks(list(network.modules()), copies, device_list, network)
-    _run_replication_callbacks(copies)
-    _C.check_replica_devices(copies, device_list, _API)
+    called = _run_replication_callbacks(copies)
+    # Replicas built with dictionary operations hold exactly the copies made for their device;
+    # only hooks and callbacks (and the setattr way of building) can leave a tensor elsewhere.
+    if hooked or called or not plain_only:
+        _C.check_replica_devices(copies, device_list, api)
     if stale_attributes is not None:
         fix_stale_attributes(
-            list(network.modules()), copies, device_list, stale_attributes, _API, network
+            list(network.modules()), copies, device_list, stale_attributes, api, network
         )
     return [cast(T, copies[j][0]) for j in range(len(device_list))]

@@ -226,18 +226,58 @@ def test_replicate_phases_probe_sees_torchdp_profiler_ranges():
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     # Two profiled sections (isolated calls, then the calls inside training steps), each with
-    # every phase once per replicate call.
+    # every phase once per replicate call; the smoke MLP has no hooks and only plain modules, so
+    # its replicas skip the device check.
     sections = proc.stdout.split("inside training steps: median")
     assert len(sections) == 2, proc.stdout
     for section in sections:
-        for phase in ("walk", "transfer", "build", "device_check"):
+        for phase in ("walk", "transfer", "build"):
             line = next(
                 (row for row in section.splitlines() if f"torchdp.replicate.{phase} " in row),
                 None,
             )
             assert line is not None, section
             assert line.rstrip().endswith("1.0 calls/call"), line
+        assert "torchdp.replicate.device_check" not in section
         assert "torchdp.broadcast.autograd" in section
     # The conditions table: one positive median per condition.
     rows = proc.stdout.split("replicate() median wall ms")[1].splitlines()[1:8]
     assert len(rows) == 7 and all(float(r.split()[-1]) > 0 for r in rows), rows
+
+
+def test_kept_replicas_probe_times_both_ways(tmp_path):
+    out = tmp_path / "kept.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "probe_kept_replicas.py"),
+            "--models",
+            "mlp200,transformer",
+            "--rounds",
+            "1",
+            "--steps",
+            "3",
+            "--out",
+            str(out),
+        ],
+        env=_script_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    import torch
+
+    data = json.loads(out.read_text())
+    assert data["machine"]["torch"] == torch.__version__
+    records = data["records"]
+    assert [(r["model"], r["way"]) for r in records] == [
+        ("mlp200", "kept"),
+        ("mlp200", "new"),
+        ("transformer", "kept"),
+        ("transformer", "new"),
+    ]
+    for r in records:
+        assert r["steps"] == 3 and r["step_ms_median"] > 0 and r["gc_collections_per_step"] >= 0
+    assert records[0]["modules"] == 401
+    assert "mlp200: kept replicas save" in proc.stdout

@@ -458,11 +458,21 @@ def test_functional_never_detaches(monkeypatch):
         calls.append(detach)
         return real(network, devices, detach)
 
+    real_kept = dp_module._replicate
+
+    def spy_kept(network, devices, detach, *args):
+        calls.append(("kept", detach))
+        return real_kept(network, devices, detach, *args)
+
     monkeypatch.setattr(dp_module, "replicate", spy)
+    monkeypatch.setattr(dp_module, "_replicate", spy_kept)
     with torch.no_grad():
         torchdp.data_parallel(nn.Linear(2, 1), torch.randn(4, 2), devices=cpu_devices(2))
+        torchdp.DataParallel(nn.Linear(2, 1), devices=cpu_devices(2), cache_replicas=False)(
+            torch.randn(4, 2)
+        )
         torchdp.DataParallel(nn.Linear(2, 1), devices=cpu_devices(2))(torch.randn(4, 2))
-    assert calls == [False, True]
+    assert calls == [False, True, ("kept", True)]
 
 
 def test_functional_device_check():

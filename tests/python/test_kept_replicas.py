@@ -1,0 +1,442 @@
+"""Replicas kept between forwards (``torchdp.DataParallel(cache_replicas=True)``, the default;
+Note [Kept replicas] in csrc/python/replicate_py.cpp): reused when nothing else holds them,
+refilled from the module at every forward, rebuilt when the structure changes."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+import threading
+import weakref
+from typing import Any
+
+import pytest
+import torch
+from dp_testing import cpu_devices
+from torch import nn
+from torch.profiler import ProfilerActivity, profile
+from torch.utils.checkpoint import checkpoint
+
+import torchdp
+from torchdp import _C
+from torchdp.data_parallel import _REPLICA_CACHES
+
+
+class Net(nn.Module):
+    """Linear -> BatchNorm -> Linear, with a plain attribute, an optional buffer and a counter
+    that the forward increments (on the replica)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 6)
+        self.bn = nn.BatchNorm1d(6)
+        self.b = nn.Linear(6, 3)
+        self.scale = 1.0
+        self.counter = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.counter += 1
+        h = torch.relu(self.bn(self.a(x)))
+        offset = self.a._buffers.get("offset")
+        if offset is not None:
+            h = h + offset
+        return self.b(h) * self.scale * self.counter
+
+
+def cache_of(dp: torchdp.DataParallel) -> _C.ReplicaCache:
+    return _REPLICA_CACHES[dp]
+
+
+def pair(seed: int = 0) -> tuple[nn.Module, nn.Module]:
+    """Two equal networks: one for the kept replicas, one for new replicas at every forward."""
+    torch.manual_seed(seed)
+    net = Net()
+    return net, copy.deepcopy(net)
+
+
+def step(dp: nn.Module, net: nn.Module, x: torch.Tensor, lr: float = 0.1) -> torch.Tensor:
+    net.zero_grad(set_to_none=True)
+    out = dp(x)
+    out.square().sum().backward()
+    with torch.no_grad():
+        for p in net.parameters():
+            if p.grad is not None:
+                p -= lr * p.grad
+    return out.detach()
+
+
+def assert_same_state(kept: nn.Module, fresh: nn.Module) -> None:
+    for (name, a), b in zip(kept.state_dict().items(), fresh.state_dict().values(), strict=True):
+        torch.testing.assert_close(a, b, msg=name)
+
+
+class ReplicaIds:
+    """Records id() of the replicas of `module` that run (ids only: a reference would keep them
+    from being reused)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.ids: list[list[int]] = []
+        self.handle = module.register_forward_pre_hook(self.record)
+
+    def record(self, module: nn.Module, args: Any) -> None:
+        assert module.__dict__.get("_is_replica", False)
+        self.ids[-1].append(id(module))
+
+    def next_step(self) -> None:
+        self.ids.append([])
+
+
+def test_replicas_are_kept_refilled_and_match_new_replicas():
+    net, ref = pair()
+    dp = torchdp.DataParallel(net, devices=cpu_devices(2))
+    fresh = torchdp.DataParallel(ref, devices=cpu_devices(2), cache_replicas=False)
+    ids = ReplicaIds(net.a)
+    for i in range(4):
+        ids.next_step()
+        x = torch.randn(8, 4)
+        torch.testing.assert_close(step(dp, net, x), step(fresh, ref, x), msg=f"step {i}")
+        assert_same_state(net, ref)
+    # The same two replica objects ran at every step; the forward's counter never survived.
+    assert all(sorted(s) == sorted(ids.ids[0]) for s in ids.ids) and len(set(ids.ids[0])) == 2
+    assert net.counter == 0
+    cache = cache_of(dp)
+    assert (cache.builds, cache.reuses, cache.state) == (1, 3, "parked")
+    assert fresh not in _REPLICA_CACHES
+
+
+def test_parked_replicas_keep_no_tensors_alive():
+    net, _ = pair()
+    dp = torchdp.DataParallel(net, devices=cpu_devices(2))
+    copies: list[weakref.ref[torch.Tensor]] = []
+
+    def remember(module: nn.Module, args: Any) -> None:
+        copies.append(weakref.ref(module.weight))
+
+    net.b.register_forward_pre_hook(remember)
+    out = dp(torch.randn(6, 4))
+    out.sum().backward()
+    assert cache_of(dp).state == "parked"
+    assert len(copies) == 2
+    del out
+    # The replicas' weights were made for this forward: only the autograd graph held them.
+    assert all(ref() is None for ref in copies)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        "eval",
+        "plain_attribute",
+        "new_parameter",
+        "register_buffer",
+        "requires_grad",
+        "load_state_dict",
+        "dtype",
+    ],
+)
+def test_changes_between_forwards_show_up_in_kept_replicas(change):
+    net, ref = pair()
+    dp = torchdp.DataParallel(net, devices=cpu_devices(2))
+    fresh = torchdp.DataParallel(ref, devices=cpu_devices(2), cache_replicas=False)
+    x = torch.randn(8, 4)
+    step(dp, net, x)
+    step(fresh, ref, x)
+    for m in (net, ref):
+        torch.manual_seed(5)
+        if change == "eval":
+            m.eval()
+        elif change == "plain_attribute":
+            m.scale = 3.0
+        elif change == "new_parameter":
+            m.b.weight = nn.Parameter(torch.randn(3, 6))
+        elif change == "register_buffer":
+            m.a.register_buffer("offset", torch.randn(6))
+        elif change == "requires_grad":
+            m.a.weight.requires_grad_(False)
+        elif change == "load_state_dict":
+            m.load_state_dict({k: v + 1 for k, v in Net().state_dict().items()})
+        elif change == "dtype":
+            m.double()
+    if change == "dtype":
+        x = x.double()
+    for i in range(2):
+        torch.testing.assert_close(step(dp, net, x), step(fresh, ref, x), msg=f"step {i}")
+        assert_same_state(net, ref)
+        for (name, p), q in zip(net.named_parameters(), ref.parameters(), strict=True):
+            assert (p.grad is None) == (q.grad is None), name
+    cache = cache_of(dp)
+    assert (cache.builds, cache.reuses) == (1, 2)
+
+
+@pytest.mark.parametrize("change", ["replace_child", "add_child", "class", "devices"])
+def test_structure_changes_build_new_replicas(change):
+    net, ref = pair()
+    dp = torchdp.DataParallel(net, devices=cpu_devices(3))
+    fresh = torchdp.DataParallel(ref, devices=cpu_devices(3), cache_replicas=False)
+    x = torch.randn(9, 4)
+    step(dp, net, x)
+    step(fresh, ref, x)
+
+    class Scaled(nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x) * 2
+
+    for m in (net, ref):
+        torch.manual_seed(7)
+        if change == "replace_child":
+            m.b = nn.Linear(6, 3)
+        elif change == "add_child":
+            m.extra = nn.Linear(2, 2)
+        elif change == "class":
+            m.b.__class__ = Scaled
+    if change == "devices":
+        x = torch.randn(4, 4)  # two chunks of two: two replicas
+    torch.testing.assert_close(step(dp, net, x), step(fresh, ref, x))
+    assert_same_state(net, ref)
+    assert cache_of(dp).builds == 2
+    torch.testing.assert_close(step(dp, net, x), step(fresh, ref, x))
+    assert (cache_of(dp).builds, cache_of(dp).reuses) == (2, 1)
+
+
+def test_no_grad_and_grad_forwards_alternate_on_kept_replicas():
+    net, ref = pair()
+    dp = torchdp.DataParallel(net, devices=cpu_devices(2))
+    fresh = torchdp.DataParallel(ref, devices=cpu_devices(2), cache_replicas=False)
+    for i in range(3):
+        x = torch.randn(8, 4)
+        with torch.no_grad():
+            torch.testing.assert_close(dp(x), fresh(x), msg=f"no_grad {i}")
+        torch.testing.assert_close(step(dp, net, x), step(fresh, ref, x), msg=f"step {i}")
+        assert_same_state(net, ref)
+    assert cache_of(dp).builds == 1
+
+
+def test_replicas_still_referenced_are_not_reused():
+    net, _ = pair()
+    dp = torchdp.DataParallel(net, devices=cpu_devices(2))
+    held: list[nn.Module] = []
+    handle = net.b.register_forward_hook(lambda m, args, out: held.append(m))
+    x = torch.randn(8, 4)
+    dp(x).sum().backward()
+    assert cache_of(dp).state == "empty"  # dropped: the hook holds replicas
+    weights = [m.weight.detach().clone() for m in held]
+    dp(x).sum().backward()
+    assert (cache_of(dp).builds, cache_of(dp).reuses) == (2, 0)
+    # The held replicas were left as they were.
+    for m, w in zip(held[:2], weights, strict=True):
+        torch.testing.assert_close(m.weight.detach(), w)
+        assert m.__dict__["_is_replica"]
+    handle.remove()
+    held.clear()
+    dp(x).sum().backward()
+    dp(x).sum().backward()
+    assert (cache_of(dp).builds, cache_of(dp).reuses) == (3, 1)
+
+
+class Checkpointed(nn.Module):
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.first = nn.Linear(4, 8)
+        self.block = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+        self.reentrant = reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self.block, self.first(x), use_reentrant=self.reentrant)
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_two_checkpointed_forwards_before_one_backward(reentrant):
+    # The first forward's checkpoint runs its replicas again in the backward pass, after the
+    # second forward: kept replicas must not have been refilled under it.
+    torch.manual_seed(0)
+    net = Checkpointed(reentrant)
+    ref = copy.deepcopy(net)
+    dp = torchdp.DataParallel(net, devices=cpu_devices(2))
+    fresh = torchdp.DataParallel(ref, devices=cpu_devices(2), cache_replicas=False)
+    for i in range(2):
+        x1, x2 = torch.randn(6, 4), torch.randn(6, 4)
+        for wrapper, m in ((dp, net), (fresh, ref)):
+            m.zero_grad(set_to_none=True)
+            (wrapper(x1).square().sum() + wrapper(x2).sum()).backward()
+        for (name, p), q in zip(net.named_parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, msg=f"round {i}: {name}")
+
+
+def test_failed_forward_then_kept_replicas_again():
+    class Fails(Net):
+        fail = False
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.fail:
+                raise ValueError("bad batch")
+            return super().forward(x)
+
+    torch.manual_seed(0)
+    net = Fails()
+    ref = copy.deepcopy(net)
+    dp = torchdp.DataParallel(net, devices=cpu_devices(2))
+    fresh = torchdp.DataParallel(ref, devices=cpu_devices(2), cache_replicas=False)
+    x = torch.randn(8, 4)
+    step(dp, net, x)
+    step(fresh, ref, x)
+    net.fail = True
+    with pytest.raises(ValueError, match="bad batch"):
+        dp(x)
+    assert cache_of(dp).state == "lent"  # not parked: the next forward drops it
+    net.fail = False
+    for _ in range(2):
+        torch.testing.assert_close(step(dp, net, x), step(fresh, ref, x))
+    assert_same_state(net, ref)
+    assert (cache_of(dp).builds, cache_of(dp).reuses) == (2, 2)
+
+
+def test_forwards_from_two_threads_on_one_wrapper():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 2))
+    dp = torchdp.DataParallel(net, devices=cpu_devices(2))
+    xs = [torch.randn(8, 4) for _ in range(2)]
+    with torch.no_grad():
+        expected = [net(x) for x in xs]
+    errors: list[Exception] = []
+
+    def work(k: int) -> None:
+        try:
+            for _ in range(50):
+                torch.testing.assert_close(dp(xs[k]), expected[k])
+        except Exception as e:  # noqa: BLE001 - reported by the main thread
+            errors.append(e)
+
+    with torch.no_grad():
+        threads = [threading.Thread(target=work, args=(k,)) for k in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert not errors, errors[0]
+    assert cache_of(dp).builds + cache_of(dp).reuses == 100
+
+
+def test_post_replicate_hooks_run_on_every_forward_of_kept_replicas():
+    net, ref = pair()
+
+    def hook(replica, module, device, index, ctx):
+        replica.doubled = replica.weight.detach() * 2
+
+    class Doubled(nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return nn.functional.linear(x, self.doubled, self.bias)
+
+    for m in (net, ref):
+        m.b.__class__ = Doubled
+        m.b.doubled = m.b.weight.detach() * 2
+    handle = torchdp.register_post_replicate_hook(Doubled, hook)
+    try:
+        dp = torchdp.DataParallel(net, devices=cpu_devices(2))
+        fresh = torchdp.DataParallel(ref, devices=cpu_devices(2), cache_replicas=False)
+        for i in range(3):
+            x = torch.randn(8, 4)
+            torch.testing.assert_close(step(dp, net, x), step(fresh, ref, x), msg=f"step {i}")
+            assert_same_state(net, ref)
+        assert (cache_of(dp).builds, cache_of(dp).reuses) == (1, 2)
+    finally:
+        handle.remove()
+
+
+def _device_checks(call: Any) -> int:
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        call()
+    return sum(e.count for e in prof.key_averages() if e.key == "torchdp.replicate.device_check")
+
+
+def test_device_check_runs_only_when_something_can_misplace_a_tensor():
+    net = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    x = torch.randn(4, 4)
+    dp = torchdp.DataParallel(net, devices=cpu_devices(2))
+    assert _device_checks(lambda: dp(x)) == 0
+    assert _device_checks(lambda: torchdp.replicate(net, cpu_devices(2))) == 0
+    handle = torchdp.register_post_replicate_hook(nn.BatchNorm1d, lambda *args: None)
+    try:
+        assert _device_checks(lambda: dp(x)) == 1
+    finally:
+        handle.remove()
+
+    class WithCallback(nn.Linear):
+        def __data_parallel_replicate__(self, ctx: Any, copy_id: int) -> None:
+            pass
+
+    net[0].__class__ = WithCallback
+    assert _device_checks(lambda: dp(x)) == 1
+
+    class OwnSetattr(nn.Linear):
+        def __setattr__(self, key: str, value: Any) -> None:
+            nn.Linear.__setattr__(self, key, value)
+
+    net[0].__class__ = OwnSetattr
+    assert _device_checks(lambda: torchdp.replicate(net, cpu_devices(2))) == 1
+    assert _device_checks(lambda: dp(x)) == 1
+    assert cache_of(dp).state == "empty"  # such a class is never kept
+
+
+def test_registration_hooks_build_new_replicas_every_time():
+    net, _ = pair()
+    dp = torchdp.DataParallel(net, devices=cpu_devices(2))
+    seen: list[str] = []
+    handle = torch.nn.modules.module.register_module_buffer_registration_hook(
+        lambda module, name, buffer: seen.append(name)
+    )
+    try:
+        for _ in range(2):
+            dp(torch.randn(4, 4))
+    finally:
+        handle.remove()
+    assert cache_of(dp).builds == 2 and cache_of(dp).reuses == 0
+    assert "running_mean" in seen  # replicas built with setattr, which calls the hook
+
+
+def test_wrapper_with_kept_replicas_copies_and_pickles():
+    net, _ = pair()
+    dp = torchdp.DataParallel(net, devices=cpu_devices(2))
+    x = torch.randn(8, 4)
+    with torch.no_grad():
+        expected = dp(x)
+    for clone in (copy.deepcopy(dp), pickle.loads(pickle.dumps(dp))):
+        assert clone not in _REPLICA_CACHES
+        assert clone.cache_replicas
+        with torch.no_grad():
+            torch.testing.assert_close(clone(x), expected)
+        assert cache_of(clone).builds == 1
+
+
+def test_option_off_builds_new_replicas_and_keeps_nothing():
+    net, _ = pair()
+    dp = torchdp.DataParallel(net, devices=cpu_devices(2), cache_replicas=False)
+    ids = ReplicaIds(net.a)
+    alive: list[weakref.ref[nn.Module]] = []
+    net.b.register_forward_pre_hook(lambda m, args: alive.append(weakref.ref(m)))
+    for _ in range(2):
+        ids.next_step()
+        dp(torch.randn(8, 4)).sum().backward()
+    assert dp not in _REPLICA_CACHES
+    assert all(ref() is None for ref in alive)  # every replica died with its forward
+
+
+def test_replica_cache_binding():
+    net, _ = pair()
+    cache = _C.ReplicaCache()
+    assert (cache.state, cache.builds, cache.reuses) == ("empty", 0, 0)
+    copies, plain_only, reused = cache.replicate(net, cpu_devices(2))
+    assert plain_only and not reused and cache.state == "lent"
+    assert len(copies) == 2 and len(copies[1]) == len(list(net.modules()))
+    assert not cache.park()  # `copies` still refers to them
+    assert cache.state == "empty"
+    copies, _, _ = cache.replicate(net, cpu_devices(2))
+    first = [id(m) for m in copies[1]]
+    del copies
+    assert cache.park() and cache.state == "parked"
+    copies, _, reused = cache.replicate(net, cpu_devices(2))
+    assert reused and [id(m) for m in copies[1]] == first
+    assert copies[1][0].a is copies[1][1] and copies[1][0].scale == 1.0
+    cache.drop()
+    assert cache.state == "empty"
+    with pytest.raises(ValueError, match="needs a device"):
+        cache.replicate(net, [])
