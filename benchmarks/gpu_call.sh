@@ -6,7 +6,7 @@
 #
 #   bash benchmarks/gpu_call.sh <name> [step ...]
 #
-# Steps, in the order given (default: priority bench probe broadcast phases test):
+# Steps, in the order given (default: priority bench probe broadcast phases kept test):
 #   priority  the extension, then the graph, bucket and ordering tests (the ones new since the
 #             last run on this GPU count)
 #   bench     make bench (all modes side by side) and the profiled steps with traces
@@ -15,15 +15,17 @@
 #             or more)
 #   phases    benchmarks/probe_replicate_phases.py --in-step --conditions over all GPUs (where
 #             replicate's CPU time goes, alone and inside training steps)
+#   kept      benchmarks/probe_kept_replicas.py over all GPUs, full-size models: training steps with
+#             kept replicas and with new ones at every step (cache_replicas), into results/
 #   test      make test (TORCHDP_REQUIRE_CUDA=1 with two GPUs or more)
 # Environment: OUT (required), BUDGET_S (seconds for the whole call, default 560),
 # TORCHDP_GIT_REV (pass it: the device tool's copy of the tree may carry an older .git, so the
 # default, git rev-parse --short HEAD, can name the wrong revision).
 set -u -o pipefail
-name=${1:?usage: gpu_call.sh <name> [priority|bench|probe|broadcast|phases|test ...]}
+name=${1:?usage: gpu_call.sh <name> [priority|bench|probe|broadcast|phases|kept|test ...]}
 shift
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(priority bench probe broadcast phases test)
+[ ${#steps[@]} -eq 0 ] && steps=(priority bench probe broadcast phases kept test)
 : "${OUT:?OUT must name the folder whose files come back}"
 
 # Never NVLink multicast on shared multi-GPU hosts (also for the processes the steps start).
@@ -73,7 +75,8 @@ for step in "${steps[@]}"; do
       run build 120 make python JOBS="$jobs"
       run priority-tests 60 env PYTHONPATH=python python -m pytest -q -rs \
         tests/python/test_cuda_graphs.py tests/python/test_grad_buckets.py tests/python/test_gpu.py \
-        -k "graph or bucket or ordered"
+        tests/python/test_kept_replicas.py \
+        -k "graph or bucket or ordered or kept"
       ;;
     bench)
       run bench 240 make bench JOBS="$jobs" \
@@ -99,11 +102,18 @@ for step in "${steps[@]}"; do
       run probe-phases 60 env PYTHONPATH=python python benchmarks/probe_replicate_phases.py \
         --device-ids "$ids" --in-step --conditions --calls 20
       ;;
+    kept)
+      mkdir -p "$logs/results"
+      run probe-kept 90 env PYTHONPATH=python python benchmarks/probe_kept_replicas.py \
+        --devices "$(echo "$ids" | sed 's/\([0-9]\+\)/cuda:\1/g')" --width full \
+        --models mlp200,transformer,resnet50 --rounds 3 --steps 15 \
+        --out "$logs/results/$name-kept-replicas.json"
+      ;;
     test)
       run make-test 240 make test JOBS="$jobs"
       ;;
     *)
-      echo "unknown step '$step' (priority, bench, probe, broadcast, phases, test)" |
+      echo "unknown step '$step' (priority, bench, probe, broadcast, phases, kept, test)" |
         tee -a "$summary"
       ;;
   esac

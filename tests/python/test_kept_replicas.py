@@ -440,3 +440,48 @@ def test_replica_cache_binding():
     assert cache.state == "empty"
     with pytest.raises(ValueError, match="needs a device"):
         cache.replicate(net, [])
+
+
+class ConvBN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Dropout(0.0)
+        )
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x).mean((2, 3)))
+
+
+DEVICE_LISTS = [
+    pytest.param(["cpu", "cpu"], id="cpu"),
+    pytest.param(["cuda:0", "cuda:0"], id="cuda0-twice", marks=pytest.mark.needs_cuda),
+    pytest.param(["cuda:0", "cuda:1"], id="two-gpus", marks=pytest.mark.needs_multi_gpu),
+]
+
+
+@pytest.mark.parametrize("names", DEVICE_LISTS)
+def test_training_with_kept_replicas_matches_new_replicas(names):
+    devices = [torch.device(n) for n in names]
+    torch.manual_seed(0)
+    net = ConvBN().to(devices[0])
+    ref = copy.deepcopy(net)
+    dp = torchdp.DataParallel(net, devices=devices)
+    fresh = torchdp.DataParallel(ref, devices=devices, cache_replicas=False)
+    torch_dp = None
+    if all(d.type == "cuda" for d in devices) and len(set(devices)) == len(devices):
+        torch_net = copy.deepcopy(net)
+        torch_dp = (torch_net, torch.nn.DataParallel(torch_net, [d.index for d in devices]))
+    for i in range(5):
+        x = torch.randn(8, 3, 6, 6, device=devices[0])
+        out = step(dp, net, x)
+        torch.testing.assert_close(out, step(fresh, ref, x), msg=f"step {i}")
+        assert_same_state(net, ref)
+        if torch_dp is not None:
+            torch.testing.assert_close(out, step(torch_dp[1], torch_dp[0], x), msg=f"torch {i}")
+            assert_same_state(net, torch_dp[0])
+        if i == 2:
+            for m in (net, ref) + ((torch_dp[0],) if torch_dp else ()):
+                m.eval()
+    assert (cache_of(dp).builds, cache_of(dp).reuses) == (1, 4)
