@@ -842,7 +842,8 @@ Replicas replicate(py::handle network, const std::vector<c10::Device>& devices_i
 //   * lends the replicas it built or refreshed (replicate), and takes them back at the end of the
 //     forward (park). Park checks that nothing but the replicas themselves still refers to any
 //     replica module: the reference count of every replica module is the one it had when the
-//     replicas were wired (the cache's own reference plus those of parent replicas). A replica
+//     replicas were wired (the cache's own reference plus those of parent replicas); and that
+//     each replica still has the class and the __dict__ it was given. A replica
 //     still held elsewhere (by a checkpointed forward that runs again in the backward pass, a hook
 //     that stored it, a failed forward's traceback, a forward running in another thread) is
 //     dropped from the cache and left as it is; the next call builds new replicas. A parked replica
@@ -934,8 +935,14 @@ class ReplicaCache {
     std::unique_ptr<State> state = std::move(state_);
     for (const auto j : c10::irange(state->replicas.size())) {
       for (const auto i : c10::irange(state->replicas[j].size())) {
-        if (Py_REFCNT(state->replicas[j][i].ptr()) != state->expected[j][i]) {
+        PyObject* replica = state->replicas[j][i].ptr();
+        if (Py_REFCNT(replica) != state->expected[j][i]) {
           return false; // still in use: left to its holders
+        }
+        // A forward that gave the replica another __dict__ or class: refilling would miss it.
+        const py::object dict = instance_dict(replica);
+        if (!dict.is(state->dicts[j][i].dict) || Py_TYPE(replica) != state->types[i]) {
+          return false;
         }
       }
     }

@@ -485,3 +485,27 @@ def test_training_with_kept_replicas_matches_new_replicas(names):
             for m in (net, ref) + ((torch_dp[0],) if torch_dp else ()):
                 m.eval()
     assert (cache_of(dp).builds, cache_of(dp).reuses) == (1, 4)
+
+
+@pytest.mark.parametrize("rewrite", ["dict", "class"])
+def test_forward_that_rewrites_its_replica_is_not_kept(rewrite):
+    class Quirky(nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out = super().forward(x)
+            if rewrite == "dict":
+                self.__dict__ = dict(self.__dict__, seen=True)
+            else:
+                self.__class__ = nn.Linear
+            return out
+
+    torch.manual_seed(0)
+    net = nn.Sequential(Quirky(4, 4), nn.Linear(4, 2))
+    ref = copy.deepcopy(net)
+    dp = torchdp.DataParallel(net, devices=cpu_devices(2))
+    fresh = torchdp.DataParallel(ref, devices=cpu_devices(2), cache_replicas=False)
+    for i in range(3):
+        x = torch.randn(6, 4)
+        torch.testing.assert_close(step(dp, net, x), step(fresh, ref, x), msg=f"step {i}")
+        assert cache_of(dp).state == "empty"
+    assert type(net[0]) is Quirky and not hasattr(net[0], "seen")
+    assert (cache_of(dp).builds, cache_of(dp).reuses) == (3, 0)
