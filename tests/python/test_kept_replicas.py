@@ -509,3 +509,29 @@ def test_forward_that_rewrites_its_replica_is_not_kept(rewrite):
         assert cache_of(dp).state == "empty"
     assert type(net[0]) is Quirky and not hasattr(net[0], "seen")
     assert (cache_of(dp).builds, cache_of(dp).reuses) == (3, 0)
+
+
+@pytest.mark.parametrize("kind", ["weight_norm", "orthogonal", "spectral_norm"])
+def test_parametrized_and_hooked_weights_on_kept_replicas(kind):
+    # Parametrizations (a class made per module, properties, a ParametrizationList child) and
+    # spectral_norm's forward pre-hook (which sets a plain `weight` attribute and updates buffers
+    # in place) behave as with new replicas.
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        lin = nn.Linear(4, 4)
+        if kind == "weight_norm":
+            lin = nn.utils.parametrizations.weight_norm(lin)
+        elif kind == "orthogonal":
+            lin = nn.utils.parametrizations.orthogonal(lin)
+        else:
+            lin = nn.utils.spectral_norm(lin)
+        return nn.Sequential(lin, nn.Tanh(), nn.Linear(4, 2))
+
+    net, ref = make(), make()
+    dp = torchdp.DataParallel(net, devices=cpu_devices(2))
+    fresh = torchdp.DataParallel(ref, devices=cpu_devices(2), cache_replicas=False)
+    for i in range(3):
+        x = torch.randn(6, 4)
+        torch.testing.assert_close(step(dp, net, x), step(fresh, ref, x), msg=f"step {i}")
+        assert_same_state(net, ref)
+    assert (cache_of(dp).builds, cache_of(dp).reuses) == (1, 2)
