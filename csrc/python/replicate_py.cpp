@@ -858,6 +858,9 @@ Replicas replicate(py::handle network, const std::vector<c10::Device>& devices_i
 //     whatever the last forward wrote into a replica is gone.
 // Replicas lent and never parked (the forward failed, a second call came first) are dropped by the
 // next call, before its transfer, so that their copies do not stay alive next to the new ones.
+// The flat buffers the copies live in are not kept: the caching allocator hands the same blocks
+// back at the next call (ResNet-50 onto two devices: 15 at::empty calls, 0.08 ms of CPU), and
+// keeping them would hold a copy of the model on every other device between steps.
 class ReplicaCache {
  public:
   // (copies, plain_only, reused), as torchdp._C.replicate's copies.
