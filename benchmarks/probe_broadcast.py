@@ -17,7 +17,10 @@ output buffers per call (as replicate allocates them):
 
 Each NCCL setting in ``--nccl-env`` (comma-separated; ``default`` or ``VAR=value[+VAR=value]``)
 runs in a child process of its own, since NCCL reads its environment when the communicator is
-made; the copy-engine methods run with the default setting only.
+made; the copy-engine methods run with the default setting only. ``NCCL_PROTO=Simple`` is among
+the defaults because run 3's trace showed the broadcast kernel of the whole group running the LL
+protocol (``ncclDevKernel_Broadcast_RING_LL``), which carries a flag with every piece of data;
+the transformer's large tensors may move faster with the Simple protocol.
 
     python benchmarks/probe_broadcast.py [--model transformer] [--device-ids 0,1] [--calls 20]
         [--methods nccl,ce1,ce4,ce-flat,hybrid] [--nccl-env default,NCCL_MIN_NCHANNELS=32]
@@ -231,7 +234,7 @@ def main() -> int:
         "--methods",
         default="nccl,ce1,ce4,ce-flat,hybrid,peer1,peer2,peer4,peer-flat1,peer-flat2,peer-flat4",
     )
-    parser.add_argument("--nccl-env", default="default,NCCL_MIN_NCHANNELS=32")
+    parser.add_argument("--nccl-env", default="default,NCCL_MIN_NCHANNELS=32,NCCL_PROTO=Simple")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if not torch.cuda.is_available():
