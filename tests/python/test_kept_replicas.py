@@ -535,3 +535,29 @@ def test_parametrized_and_hooked_weights_on_kept_replicas(kind):
         torch.testing.assert_close(step(dp, net, x), step(fresh, ref, x), msg=f"step {i}")
         assert_same_state(net, ref)
     assert (cache_of(dp).builds, cache_of(dp).reuses) == (1, 2)
+
+
+@pytest.mark.needs_cuda
+def test_kept_replicas_hold_no_gpu_memory_between_steps():
+    # Replica 1's copies live only as long as the autograd graph: after a step the allocator holds
+    # what it holds after a step with new replicas (the module, its gradients, the input).
+    device = torch.device("cuda", 0)
+    torch.manual_seed(0)
+    net = nn.Sequential(*[nn.Linear(512, 512) for _ in range(4)]).to(device)  # 4 MiB of weights
+    x = torch.randn(16, 512, device=device)
+    # New replicas first: the gradients and the worker threads' cuBLAS workspaces get allocated,
+    # and nothing of the replicas outlives a step.
+    fresh = torchdp.DataParallel(net, devices=[device, device], cache_replicas=False)
+    for _ in range(2):
+        fresh(x).sum().backward()
+    torch.cuda.synchronize(device)
+    baseline = torch.cuda.memory_allocated(device)
+    dp = torchdp.DataParallel(net, devices=[device, device])
+    for _ in range(3):
+        out = dp(x)
+        out.sum().backward()
+        del out
+        torch.cuda.synchronize(device)
+        assert cache_of(dp).state == "parked"
+        assert torch.cuda.memory_allocated(device) == baseline
+    assert cache_of(dp).reuses == 2
