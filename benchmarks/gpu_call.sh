@@ -6,15 +6,17 @@
 #
 #   bash benchmarks/gpu_call.sh <name> [step ...]
 #
-# Steps, in the order given (default: priority bench probe broadcast phases kept test):
+# Steps, in the order given (default: priority bench kept broadcast phases probe test; more than
+# one call holds: with two GPUs run `priority bench kept broadcast`, then `test phases probe`):
 #   priority  the extension, then the graph, bucket and ordering tests (the ones new since the
 #             last run on this GPU count)
 #   bench     make bench (all modes side by side) and the profiled steps with traces
 #   probe     benchmarks/probe_cuda_graphs.py over all GPUs
 #   broadcast benchmarks/probe_broadcast.py (transports for the transformer's parameters; two GPUs
 #             or more)
-#   phases    benchmarks/probe_replicate_phases.py --in-step --conditions over all GPUs (where
-#             replicate's CPU time goes, alone and inside training steps)
+#   phases    benchmarks/probe_replicate_phases.py --in-step over all GPUs (where replicate's CPU
+#             time goes, alone and inside training steps, kept and new replicas; --conditions,
+#             measured on one H200 on 2026-12-02, is left out: it takes minutes)
 #   kept      benchmarks/probe_kept_replicas.py over all GPUs, full-size models: training steps with
 #             kept replicas and with new ones at every step (cache_replicas), into results/
 #   test      make test (TORCHDP_REQUIRE_CUDA=1 with two GPUs or more)
@@ -25,7 +27,7 @@ set -u -o pipefail
 name=${1:?usage: gpu_call.sh <name> [priority|bench|probe|broadcast|phases|kept|test ...]}
 shift
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(priority bench probe broadcast phases kept test)
+[ ${#steps[@]} -eq 0 ] && steps=(priority bench kept broadcast phases probe test)
 : "${OUT:?OUT must name the folder whose files come back}"
 
 # Never NVLink multicast on shared multi-GPU hosts (also for the processes the steps start).
@@ -100,7 +102,7 @@ for step in "${steps[@]}"; do
       ;;
     phases)
       run probe-phases 60 env PYTHONPATH=python python benchmarks/probe_replicate_phases.py \
-        --device-ids "$ids" --in-step --conditions --calls 20
+        --device-ids "$ids" --in-step --calls 20
       ;;
     kept)
       mkdir -p "$logs/results"
