@@ -70,6 +70,14 @@ PHASES = (
     "backward",
     "optimizer",
 )
+# torchdp's own ranges inside the forward that no overridable method contains: taking the kept
+# replicas back after parallel_apply (Note [Kept replicas]). CPU time only (no wall clock).
+INNER_PHASES = ("torchdp.replicate.park",)
+CPU_PHASES = PHASES + INNER_PHASES
+
+
+def short_name(phase: str) -> str:
+    return phase.removeprefix("DataParallel.").removeprefix("torchdp.replicate.")
 
 
 class PhaseClock:
@@ -278,7 +286,7 @@ def profile_model(
     busy: dict[int, list[tuple[float, float]]] = defaultdict(list)
     ranges: list[tuple[str, float, float]] = []
     for event in prof.events():
-        if event.name in PHASES:
+        if event.name in CPU_PHASES:
             phases[event.name] += event.cpu_time_total
             ranges.append((event.name, event.time_range.start, event.time_range.end))
         if event.device_type == torch.autograd.DeviceType.CUDA:
@@ -293,7 +301,7 @@ def profile_model(
         "step_ms_median": round(statistics.median(times), 2),
         "phase_wall_ms_per_step": wall,
         "single_device": single_gpu_phases(name, smoke, dev0, steps),
-        "phase_cpu_ms_per_step": {p: round(phases[p] / steps / 1e3, 3) for p in PHASES},
+        "phase_cpu_ms_per_step": {p: round(phases[p] / steps / 1e3, 3) for p in CPU_PHASES},
         "gpu_kernel_ms_per_step": {
             f"cuda:{i}": round(us / steps / 1e3, 2) for i, us in sorted(gpu_us.items())
         },
@@ -309,12 +317,13 @@ def profile_model(
 
 def markdown(records: list[dict[str, Any]]) -> str:
     """The records as a Markdown table: step time, CPU ms per phase, GPU kernel ms per device."""
-    short = [p.removeprefix("DataParallel.") for p in PHASES]
+    short = [short_name(p) for p in CPU_PHASES]
     lines = [
         "# torchdp.DataParallel step profile",
         "",
         "CPU ms per step spent in each phase (profiler ranges, wall time on the calling thread; the "
-        "backward's device threads run in parallel with it) and GPU kernel ms per step per device.",
+        "backward's device threads run in parallel with it; `park`: taking the kept replicas "
+        "back at the end of the forward) and GPU kernel ms per step per device.",
         "",
         "Gradient delivery (TORCHDP_GRAD_DELIVERY): "
         + ", ".join(
@@ -332,7 +341,7 @@ def markdown(records: list[dict[str, Any]]) -> str:
         "|---|---|---|" + "---|" * len(short) + "---|",
     ]
     for r in records:
-        phases = " | ".join(f"{r['phase_cpu_ms_per_step'][p]:.2f}" for p in PHASES)
+        phases = " | ".join(f"{r['phase_cpu_ms_per_step'].get(p, 0.0):.2f}" for p in CPU_PHASES)
         gpu = ", ".join(f"{d} {v}" for d, v in r["gpu_kernel_ms_per_step"].items()) or "—"
         devices = ", ".join(r["devices"])
         lines.append(f"| {r['model']} | {devices} | {r['step_ms_median']} | {phases} | {gpu} |")
