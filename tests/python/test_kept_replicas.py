@@ -561,3 +561,41 @@ def test_kept_replicas_hold_no_gpu_memory_between_steps():
         assert cache_of(dp).state == "parked"
         assert torch.cuda.memory_allocated(device) == baseline
     assert cache_of(dp).reuses == 2
+
+
+@pytest.mark.needs_cuda
+@pytest.mark.parametrize("held", ["tensor", "module_list"])
+def test_stale_attributes_move_with_kept_replicas(held):
+    # 'move' gives the replica on another device its own copies of plain attributes at every
+    # forward. A moved tensor leaves the replicas reusable; a moved list of submodules refers to
+    # replica modules from inside a replica, so those replicas are built anew at every forward.
+    class WithPlain(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+            self.b = nn.Linear(4, 2)
+            self.offset = torch.ones(4)  # a plain tensor, not a buffer
+            self.stages = [self.a, self.b]  # a plain list of submodules
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if held == "tensor":
+                return self.b(torch.tanh(self.a(x) + self.offset))
+            h = x
+            for stage in self.stages:
+                h = stage(torch.tanh(h))
+            return h
+
+    devices = [torch.device("cpu"), torch.device("cuda", 0)]
+    torch.manual_seed(0)
+    net = WithPlain()
+    ref = copy.deepcopy(net)
+    dp = torchdp.DataParallel(net, devices=devices, stale_attributes="move")
+    fresh = torchdp.DataParallel(
+        ref, devices=devices, stale_attributes="move", cache_replicas=False
+    )
+    for i in range(3):
+        x = torch.randn(6, 4)
+        torch.testing.assert_close(step(dp, net, x), step(fresh, ref, x), msg=f"step {i}")
+        assert_same_state(net, ref)
+    expected = (1, 2) if held == "tensor" else (3, 0)
+    assert (cache_of(dp).builds, cache_of(dp).reuses) == expected
