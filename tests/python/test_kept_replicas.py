@@ -589,6 +589,8 @@ def test_stale_attributes_move_with_kept_replicas(held):
     torch.manual_seed(0)
     net = WithPlain()
     ref = copy.deepcopy(net)
+    if held == "tensor":
+        del net.stages, ref.stages
     dp = torchdp.DataParallel(net, devices=devices, stale_attributes="move")
     fresh = torchdp.DataParallel(
         ref, devices=devices, stale_attributes="move", cache_replicas=False
