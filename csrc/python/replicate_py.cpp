@@ -121,6 +121,9 @@ struct TypeInfo {
   bool optimized = false; // torch.compile's module wrapper (Note [Replicating compiled modules])
   bool walkable = false;  // named_modules() / modules() are nn.Module's
   bool overrides_setattr = false;
+  // Instances have slots outside their __dict__ (a class with __slots__): what a forward stores
+  // there would survive in a kept replica (Note [Kept replicas]).
+  bool slots = false;
 };
 
 // Per-call cache of what a module class allows (classes can be patched between calls).
@@ -153,6 +156,8 @@ class TypeTable {
     }
     // OptimizedModule's __setattr__ forwards other objects' attributes to the wrapped module, so
     // PyTorch's way would write into the original; dictionary operations never call it.
+    const int slots = PyObject_HasAttrString(t.ptr(), "__slots__");
+    info.slots = slots == 1;
     info.plain = !info.script && (!info.overrides_setattr || info.optimized) &&
                  type->tp_new == PyBaseObject_Type.tp_new &&
                  same_attribute(t, "_replicate_for_data_parallel", r.module_replicate);
@@ -656,6 +661,8 @@ struct Source {
   // exactly what the dictionary operations make, so their devices need no check without hooks or
   // callbacks, and they may be kept between calls (Note [Kept replicas]).
   bool plain_only = true;
+  // plain_only, and no class with __slots__: the replicas may be kept (Note [Kept replicas]).
+  bool keepable = true;
 };
 
 bool dict_ops(const Source& s, const ModuleEntry& e) {
@@ -682,6 +689,7 @@ void prepare(Source& s, py::handle network, const std::vector<c10::Device>& devi
   s.fast = !registration_hooks_installed();
   for (const auto& e : s.net.modules) {
     s.plain_only = s.plain_only && dict_ops(s, e) && !e.type->optimized && !has_compiled_call(e);
+    s.keepable = s.keepable && !e.type->slots;
   }
   auto [params, buffers] = parameters_and_buffers(network, s.net);
 
@@ -849,13 +857,16 @@ Replicas replicate(py::handle network, const std::vector<c10::Device>& devices_i
 //     dropped from the cache and left as it is; the next call builds new replicas. A parked replica
 //     is unreachable from Python, so its dictionaries are emptied at once: the copies on the other
 //     devices are freed when the autograd graph lets go of them, as with replicas that die.
-//   * reuses parked replicas when the network's walk finds the same module objects, in the same
-//     order, of the same classes, all built with dictionary operations and none compiled (anything
-//     else builds anew). Each reused replica's dictionaries are refilled exactly as a new replica's
-//     are filled (its __dict__ a copy of the original's, its own _parameters, _buffers and
-//     _modules, the copies of this call), so training flags, plain attributes, registered tensors
-//     and children that changed since the last call show up as they would in new replicas, and
-//     whatever the last forward wrote into a replica is gone.
+//   * reuses parked replicas when the network's walk finds modules of the same classes in the
+//     same order, onto the same devices, all built with dictionary operations, none compiled and
+//     none of a class with __slots__ (whose slots a forward could fill and a refill would not
+//     reset); anything else builds anew. Each reused replica's dictionaries are refilled exactly
+//     as a new replica's are filled (its __dict__ a copy of the original's, its own _parameters,
+//     _buffers and _modules, the copies of this call), all from this call's walk, so training
+//     flags, plain attributes, registered tensors and children that changed since the last call
+//     (even a submodule replaced by another of its class) show up as they would in new replicas,
+//     and whatever the last forward wrote into a replica is gone. The cache holds no reference to
+//     the network: a cache keyed weakly by its module does not keep that module alive.
 // Replicas lent and never parked (the forward failed, a second call came first) are dropped by the
 // next call, before its transfer, so that their copies do not stay alive next to the new ones.
 // The flat buffers the copies live in are not kept: the caching allocator hands the same blocks
@@ -892,11 +903,10 @@ class ReplicaCache {
       std::vector<std::vector<ReplicaDicts>> dicts;
       copies = build(s, dicts);
       ++builds_;
-      if (s.plain_only) {
+      if (s.plain_only && s.keepable) {
         state = std::make_unique<State>();
         state->devices = s.devices;
         for (const auto& e : s.net.modules) {
-          state->originals.push_back(e.module);
           state->types.push_back(Py_TYPE(e.module.ptr()));
         }
         state->replicas.resize(copies.size());
@@ -980,7 +990,7 @@ class ReplicaCache {
  private:
   struct State {
     std::vector<c10::Device> devices;
-    std::vector<py::object> originals; // network.modules() order
+    // The class of each module, in network.modules() order (alive: the replicas hold them).
     std::vector<PyTypeObject*> types;
     std::vector<std::vector<py::object>> replicas; // [device][module]
     std::vector<std::vector<ReplicaDicts>> dicts;
@@ -988,14 +998,17 @@ class ReplicaCache {
     bool parked = false;
   };
 
+  // A refill takes everything from the network's walk of this call; the kept objects only need
+  // the classes of the modules in their positions. So other module objects of the same classes
+  // (a submodule replaced by a new one of its class) reuse them too, and the cache holds no
+  // reference to the network.
   static bool reusable(const State& state, const Source& s) {
-    if (!s.plain_only || state.devices != s.devices ||
-        state.originals.size() != s.net.modules.size()) {
+    if (!s.plain_only || !s.keepable || state.devices != s.devices ||
+        state.types.size() != s.net.modules.size()) {
       return false;
     }
-    for (const auto i : c10::irange(state.originals.size())) {
-      const auto& e = s.net.modules[i];
-      if (!state.originals[i].is(e.module) || state.types[i] != Py_TYPE(e.module.ptr())) {
+    for (const auto i : c10::irange(state.types.size())) {
+      if (state.types[i] != Py_TYPE(s.net.modules[i].module.ptr())) {
         return false;
       }
     }

@@ -125,8 +125,12 @@ def _check_cuda_graphs(cuda_graphs: Any) -> int:
 _GRAPHED: weakref.WeakKeyDictionary[nn.Module, GraphedReplicas] = weakref.WeakKeyDictionary()
 
 # The replicas each DataParallel keeps between forwards (cache_replicas; Note [Kept replicas] in
-# csrc/python/replicate_py.cpp), outside the module for the same reasons.
+# csrc/python/replicate_py.cpp), outside the module for the same reasons; and those data_parallel()
+# keeps per module (a cache holds no reference to its module, so the weak key can die).
 _REPLICA_CACHES: weakref.WeakKeyDictionary[nn.Module, _C.ReplicaCache] = weakref.WeakKeyDictionary()
+_FUNCTIONAL_CACHES: weakref.WeakKeyDictionary[nn.Module, _C.ReplicaCache] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def _check_module_device(
@@ -239,11 +243,11 @@ class DataParallel(_TorchDataParallel[T]):
             buffers and submodules at every forward, exactly as a new one would, so changes to the
             module between forwards show up and nothing a forward writes into a replica
             survives. Replicas that are still referenced after the forward (by a checkpointed
-            forward, a hook that stored them, a forward in another thread) are not reused, and a
-            change of the module's structure (other submodule objects, classes, device list)
-            builds new ones. Modules with a class of their own ``__setattr__``,
-            ``_replicate_for_data_parallel`` or ``__new__``, and compiled modules, get new
-            replicas every time. ``False`` builds new replicas at every forward, as
+            forward, a hook that stored them, a forward in another thread) are not reused, and
+            other module classes (in ``modules()`` order) or another device list build new ones.
+            Modules with a class of their own ``__setattr__``, ``_replicate_for_data_parallel``
+            or ``__new__``, or with ``__slots__``, and compiled modules, get new replicas every
+            time. ``False`` builds new replicas at every forward, as
             ``torch.nn.DataParallel`` does. Default: ``True``.
 
     Attributes:
@@ -394,11 +398,15 @@ class DataParallel(_TorchDataParallel[T]):
                         "positional inputs along that dim"
                     )
                 replicas = self.replicate(self.module, self.device_ids[: len(inputs)])
-                outputs = self.parallel_apply(replicas, inputs, module_kwargs)
-                del replicas
-                cache = _REPLICA_CACHES.get(self)
-                if cache is not None:
-                    cache.park()  # Note [Kept replicas]: kept only when nothing holds them
+                try:
+                    outputs = self.parallel_apply(replicas, inputs, module_kwargs)
+                finally:
+                    # Note [Kept replicas]: taken back only when nothing holds them (after a
+                    # failure the traceback does, and they are dropped at once).
+                    del replicas
+                    cache = _REPLICA_CACHES.get(self)
+                    if cache is not None:
+                        cache.park()
             if not self.gather_output:
                 return list(outputs)
             return self.gather(outputs, self.output_device)
@@ -525,6 +533,7 @@ def data_parallel(
     *,
     devices: Sequence[DeviceLike] | None = None,
     stale_attributes: str | None = None,
+    cache_replicas: bool = True,
 ) -> Any:
     r"""Evaluates ``module(*inputs, **module_kwargs)`` in parallel across devices: the functional
     form of :class:`DataParallel`, a drop-in for :func:`torch.nn.parallel.data_parallel`.
@@ -546,6 +555,9 @@ def data_parallel(
         stale_attributes (str, keyword-only): ``'move'``, ``'warn'`` or ``'error'`` for plain
             attributes of the replicas still on the first device, as in :class:`DataParallel`.
             Default: ``None``.
+        cache_replicas (bool, keyword-only): keep the replica modules of :attr:`module` between
+            calls and refill them, as :class:`DataParallel` does (kept per module, without keeping
+            the module alive). Default: ``True``.
 
     Returns:
         The gathered output of the module, on :attr:`output_device`.
@@ -594,10 +606,23 @@ def data_parallel(
     if len(used_ids) == 1:
         return module(*scattered[0], **scattered_kwargs[0])
     used = used_ids[: len(scattered)]
-    if stale_attributes is None:  # the call PyTorch makes
+    cache = None
+    if cache_replicas:
+        cache = _FUNCTIONAL_CACHES.get(module)
+        if cache is None:
+            cache = _FUNCTIONAL_CACHES[module] = _C.ReplicaCache()
+        replicas = _replicate(
+            module, used, False, None, stale_attributes, cache, "torchdp.replicate"
+        )
+    elif stale_attributes is None:  # the call PyTorch makes
         replicas = replicate(module, used)
     else:
         replicas = replicate(module, used, stale_attributes=stale_attributes)
     serial = _first_compiled_call(module, scattered, scattered_kwargs)
-    outputs = parallel_apply(replicas, scattered, scattered_kwargs, used, serial=serial)
+    try:
+        outputs = parallel_apply(replicas, scattered, scattered_kwargs, used, serial=serial)
+    finally:
+        del replicas
+        if cache is not None:
+            cache.park()  # Note [Kept replicas]
     return gather(outputs, target, dim)

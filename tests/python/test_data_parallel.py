@@ -468,11 +468,14 @@ def test_functional_never_detaches(monkeypatch):
     monkeypatch.setattr(dp_module, "_replicate", spy_kept)
     with torch.no_grad():
         torchdp.data_parallel(nn.Linear(2, 1), torch.randn(4, 2), devices=cpu_devices(2))
+        torchdp.data_parallel(
+            nn.Linear(2, 1), torch.randn(4, 2), devices=cpu_devices(2), cache_replicas=False
+        )
         torchdp.DataParallel(nn.Linear(2, 1), devices=cpu_devices(2), cache_replicas=False)(
             torch.randn(4, 2)
         )
         torchdp.DataParallel(nn.Linear(2, 1), devices=cpu_devices(2))(torch.randn(4, 2))
-    assert calls == [False, True, ("kept", True)]
+    assert calls == [("kept", False), False, True, ("kept", True)]
 
 
 def test_functional_device_check():
