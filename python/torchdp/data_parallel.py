@@ -8,7 +8,7 @@ import operator
 import sys
 import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from itertools import chain
 from typing import Any, TypeVar
 
@@ -131,6 +131,22 @@ _REPLICA_CACHES: weakref.WeakKeyDictionary[nn.Module, _C.ReplicaCache] = weakref
 _FUNCTIONAL_CACHES: weakref.WeakKeyDictionary[nn.Module, _C.ReplicaCache] = (
     weakref.WeakKeyDictionary()
 )
+
+V = TypeVar("V")
+
+
+def _weak_entry(
+    table: weakref.WeakKeyDictionary[nn.Module, V], key: nn.Module, make: Callable[[], V] | None
+) -> V | None:
+    """``table[key]``, made with ``make()`` when missing (``None``: only looked up); ``None``
+    for a module that cannot be a key (a class that defines ``__eq__`` without ``__hash__``)."""
+    try:
+        value = table.get(key)
+        if value is None and make is not None:
+            value = table[key] = make()
+        return value
+    except TypeError:
+        return None
 
 
 def _check_module_device(
@@ -404,7 +420,7 @@ class DataParallel(_TorchDataParallel[T]):
                     # Note [Kept replicas]: taken back only when nothing holds them (after a
                     # failure the traceback does, and they are dropped at once).
                     del replicas
-                    cache = _REPLICA_CACHES.get(self)
+                    cache = _weak_entry(_REPLICA_CACHES, self, None)
                     if cache is not None:
                         cache.park()
             if not self.gather_output:
@@ -427,9 +443,7 @@ class DataParallel(_TorchDataParallel[T]):
         """Replicates :attr:`module` on :attr:`device_ids` (detached under ``torch.no_grad()``)."""
         detach = not torch.is_grad_enabled()
         if self.cache_replicas and module is self.module:
-            cache = _REPLICA_CACHES.get(self)
-            if cache is None:
-                cache = _REPLICA_CACHES[self] = _C.ReplicaCache()
+            cache = _weak_entry(_REPLICA_CACHES, self, _C.ReplicaCache)
             return _replicate(
                 module,
                 device_ids,
@@ -490,7 +504,9 @@ def _first_compiled_call(module: nn.Module, inputs: Sequence[Any], kwargs: Any) 
     longer compiles per shape."""
     if "torch._dynamo" not in sys.modules:
         return False
-    seen = _signatures_seen.setdefault(module, set())
+    seen = _weak_entry(_signatures_seen, module, set)
+    if seen is None:  # an unhashable module, which named_modules() cannot walk either
+        return False
     if len(seen) >= _COMPILED_SIGNATURES:
         return False
     key = (_signature(inputs), _signature(kwargs), module.training, torch.is_grad_enabled())
@@ -608,9 +624,7 @@ def data_parallel(
     used = used_ids[: len(scattered)]
     cache = None
     if cache_replicas:
-        cache = _FUNCTIONAL_CACHES.get(module)
-        if cache is None:
-            cache = _FUNCTIONAL_CACHES[module] = _C.ReplicaCache()
+        cache = _weak_entry(_FUNCTIONAL_CACHES, module, _C.ReplicaCache)
         replicas = _replicate(
             module, used, False, None, stale_attributes, cache, "torchdp.replicate"
         )

@@ -5,6 +5,7 @@ refilled from the module at every forward, rebuilt when the structure changes.""
 from __future__ import annotations
 
 import copy
+import importlib
 import pickle
 import threading
 import weakref
@@ -664,3 +665,37 @@ def test_functional_data_parallel_keeps_replicas_per_module_without_keeping_the_
     del net, out, cache
     gc.collect()
     assert alive() is None  # the kept replicas did not keep the module alive
+
+
+def test_modules_that_cannot_be_dictionary_keys():
+    # A class that defines __eq__ without __hash__ is unhashable: no kept replicas for it in the
+    # functional form (keyed by the module), the same results; the wrapper keys on itself.
+    class Unhashable(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x)
+
+        def __eq__(self, other: object) -> bool:
+            return self is other
+
+    torch.manual_seed(0)
+    net = Unhashable()
+    x = torch.randn(6, 4)
+    with torch.no_grad():
+        expected = net(x)
+        for _ in range(2):
+            torch.testing.assert_close(
+                torchdp.data_parallel(net, x, devices=cpu_devices(2)), expected
+            )
+        dp = torchdp.DataParallel(net, devices=cpu_devices(2))
+        for _ in range(2):
+            torch.testing.assert_close(dp(x), expected)
+    assert (cache_of(dp).builds, cache_of(dp).reuses) == (1, 1)
+    # With dynamo loaded, DataParallel tracks compiled signatures per module.
+    importlib.import_module("torch._dynamo")
+
+    with torch.no_grad():
+        torch.testing.assert_close(dp(x), expected)
