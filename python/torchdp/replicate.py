@@ -219,16 +219,22 @@ def _replicate(
         copies, plain_only = _C.replicate(network, device_list, detach, bucket_bytes, report=True)
     else:
         copies, plain_only, _ = cache.replicate(network, device_list, detach, bucket_bytes)
-    hooked = _has_hooks() and _run_post_replicate_hooks(
-        list(network.modules()), copies, device_list, network
-    )
-    called = _run_replication_callbacks(copies)
-    # Replicas built with dictionary operations hold exactly the copies made for their device;
-    # only hooks and callbacks (and the setattr way of building) can leave a tensor elsewhere.
-    if hooked or called or not plain_only:
-        _C.check_replica_devices(copies, device_list, api)
-    if stale_attributes is not None:
-        fix_stale_attributes(
-            list(network.modules()), copies, device_list, stale_attributes, api, network
+    try:
+        hooked = _has_hooks() and _run_post_replicate_hooks(
+            list(network.modules()), copies, device_list, network
         )
+        called = _run_replication_callbacks(copies)
+        # Replicas built with dictionary operations hold exactly the copies made for their
+        # device; only hooks and callbacks (and the setattr way of building) can leave a tensor
+        # elsewhere.
+        if hooked or called or not plain_only:
+            _C.check_replica_devices(copies, device_list, api)
+        if stale_attributes is not None:
+            fix_stale_attributes(
+                list(network.modules()), copies, device_list, stale_attributes, api, network
+            )
+    except BaseException:
+        if cache is not None:
+            cache.drop()  # half-prepared replicas are never kept (nor their copies held)
+        raise
     return [cast(T, copies[j][0]) for j in range(len(device_list))]

@@ -699,3 +699,24 @@ def test_modules_that_cannot_be_dictionary_keys():
 
     with torch.no_grad():
         torch.testing.assert_close(dp(x), expected)
+
+
+def test_a_failing_post_replicate_hook_leaves_nothing_kept():
+    net, _ = pair()
+    dp = torchdp.DataParallel(net, devices=cpu_devices(2))
+    x = torch.randn(8, 4)
+    dp(x).sum().backward()
+    assert cache_of(dp).state == "parked"
+
+    def broken(replica, module, device, index, ctx):
+        raise ValueError("no mask for this device")
+
+    handle = torchdp.register_post_replicate_hook(nn.BatchNorm1d, broken)
+    try:
+        with pytest.raises(RuntimeError, match="no mask for this device"):
+            dp(x)
+    finally:
+        handle.remove()
+    assert cache_of(dp).state == "empty"
+    dp(x).sum().backward()
+    assert (cache_of(dp).builds, cache_of(dp).reuses, cache_of(dp).state) == (2, 1, "parked")
