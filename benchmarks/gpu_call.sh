@@ -109,7 +109,7 @@ for step in "${steps[@]}"; do
       run probe-kept 90 env PYTHONPATH=python python benchmarks/probe_kept_replicas.py \
         --devices "$(echo "$ids" | sed 's/\([0-9]\+\)/cuda:\1/g')" --width full \
         --models mlp200,transformer,resnet50 --rounds 3 --steps 15 \
-        --out "$logs/results/$name-kept-replicas.json"
+        --out "$logs/results/$name-kept-replicas.json" --plot "$logs/results/$name-kept-replicas.png"
       ;;
     test)
       run make-test 240 make test JOBS="$jobs"

@@ -17,7 +17,8 @@ size (GPUs).
     python benchmarks/probe_kept_replicas.py --devices cuda:0,cuda:1 --width full --out r.json
 
 Prints one line per model and way (median, mean and 90th percentile step ms, collections per
-step) and the saving; ``--out`` writes them as JSON with the machine's description.
+step) and the saving; ``--out`` writes them as JSON with the machine's description, ``--plot`` a
+bar chart (``--from-json FILE --plot PNG`` redraws one from saved records).
 """
 
 from __future__ import annotations
@@ -30,12 +31,13 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Self
+from typing import Any, Self
 
 import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_train_step
 import common
 
 import torchdp
@@ -44,24 +46,26 @@ MODELS = ("mlp200", "transformer", "resnet50")
 
 
 def build(name: str, full: bool) -> tuple[nn.Module, torch.Tensor]:
-    """The model and one input batch (on the CPU)."""
+    """The model and one input batch (on the CPU): bench_train_step's at full size, otherwise
+    its module structure with tiny tensors (bench_train_step's smoke models are smaller nets)."""
+    if full:
+        return bench_train_step.build_model(name, False), bench_train_step.make_inputs(name, False)[
+            0
+        ]
     torch.manual_seed(0)
     if name == "mlp200":
-        width, batch = (256, 512) if full else (8, 4)
         layers: list[nn.Module] = []
         for _ in range(200):
-            layers += [nn.Linear(width, width), nn.ReLU()]
-        return nn.Sequential(*layers), torch.randn(batch, width)
+            layers += [nn.Linear(8, 8), nn.ReLU()]
+        return nn.Sequential(*layers), torch.randn(4, 8)
     if name == "transformer":
-        d, heads, ff, batch, seq = (768, 12, 3072, 64, 128) if full else (16, 2, 16, 4, 8)
-        layer = nn.TransformerEncoderLayer(d, heads, ff, batch_first=True)
+        layer = nn.TransformerEncoderLayer(16, 2, 16, batch_first=True)
         net = nn.TransformerEncoder(layer, num_layers=12, enable_nested_tensor=False)
-        return net, torch.randn(batch, seq, d)
+        return net, torch.randn(4, 8, 16)
     if name == "resnet50":
         import torchvision
 
-        batch, size = (256, 224) if full else (4, 32)
-        return torchvision.models.resnet50(), torch.randn(batch, 3, size, size)
+        return torchvision.models.resnet50(), torch.randn(4, 3, 32, 32)
     raise ValueError(f"unknown model {name!r}")
 
 
@@ -139,6 +143,29 @@ def probe(
     return records
 
 
+def plot(records: list[dict[str, Any]], path: str, title: str) -> None:
+    """Median step ms per model, kept vs new replicas, with the p90 as a mark."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(r["model"] for r in records))
+    fig, ax = plt.subplots(figsize=(2.2 + 1.6 * len(models), 3.4))
+    for k, way in enumerate(("kept", "new")):
+        rows = [next(r for r in records if r["model"] == m and r["way"] == way) for m in models]
+        xs = [i + (k - 0.5) * 0.38 for i in range(len(models))]
+        ax.bar(xs, [r["step_ms_median"] for r in rows], width=0.36, label=f"{way} replicas")
+        ax.scatter(xs, [r["step_ms_p90"] for r in rows], marker="_", color="black", s=120)
+    ax.set_xticks(range(len(models)), models)
+    ax.set_ylabel("training step, median ms (p90: dash)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--devices", default="cpu,cpu", help="e.g. cpu,cpu or cuda:0,cuda:1")
@@ -147,7 +174,24 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=40, help="steps per way and round")
     parser.add_argument("--out", default=None, help="JSON file for the records")
+    parser.add_argument("--plot", default=None, help="PNG of the step times, kept vs new")
+    parser.add_argument(
+        "--from-json", default=None, help="no run: plot the records of this JSON file (--plot)"
+    )
     args = parser.parse_args()
+    if args.from_json:
+        if not args.plot:
+            sys.exit("--from-json needs --plot")
+        data = json.loads(Path(args.from_json).read_text())
+        machine = data["machine"]
+        plot(
+            data["records"],
+            args.plot,
+            f"{common.machine_name(machine)}, {data['records'][0]['devices']}, torchdp "
+            f"{machine.get('torchdp_git_revision', '?')}",
+        )
+        print(f"wrote {args.plot}")
+        return
     devices = [torch.device(d.strip()) for d in args.devices.split(",") if d.strip()]
     if len(devices) < 2:
         sys.exit("--devices needs at least two devices (a device may repeat)")
@@ -173,10 +217,14 @@ def main() -> None:
             f"(median) / {new['step_ms_mean'] - kept['step_ms_mean']:.3f} ms (mean) per step",
             flush=True,
         )
+    machine = common.machine_info()
     if args.out:
-        out = {"machine": common.machine_info(), "records": records}
-        Path(args.out).write_text(json.dumps(out, indent=1))
+        Path(args.out).write_text(json.dumps({"machine": machine, "records": records}, indent=1))
         print(f"wrote {args.out}")
+    if args.plot:
+        title = f"{common.machine_name(machine)}, {[str(d) for d in devices]}"
+        plot(records, args.plot, title + f", torchdp {machine['torchdp_git_revision']}")
+        print(f"wrote {args.plot}")
 
 
 if __name__ == "__main__":

@@ -25,28 +25,35 @@ def _script_env() -> dict[str, str]:
     return env
 
 
+def _run_script(
+    script: str, *args: str, env: dict[str, str] | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess[str]:
+    """benchmarks/<script> with `args` in a child process (output captured as text)."""
+    return subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / script), *args],
+        env=_script_env() if env is None else env,
+        capture_output=True,
+        check=False,
+        text=True,
+        timeout=timeout,
+    )
+
+
 def test_run_all_smoke_writes_valid_results(tmp_path):
     cpp = os.environ.get("TORCHDP_BENCH_CPP")
     if not cpp or not Path(cpp).exists():
         pytest.skip(
             "TORCHDP_BENCH_CPP does not name the built torchdp_bench_cpp (make test sets it)"
         )
-    env = _script_env()
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "benchmarks" / "run_all.py"),
-            "--smoke",
-            "--cpp-bin",
-            cpp,
-            "--out-dir",
-            str(tmp_path),
-            "--name",
-            "ci",
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
+    proc = _run_script(
+        "run_all.py",
+        "--smoke",
+        "--cpp-bin",
+        cpp,
+        "--out-dir",
+        str(tmp_path),
+        "--name",
+        "ci",
         timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -95,22 +102,16 @@ def test_profile_step_smoke_records_every_phase(tmp_path, delivery):
     env = _script_env()
     env["TORCHDP_GRAD_DELIVERY"] = delivery
     out = tmp_path / "profile.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "benchmarks" / "profile_step.py"),
-            "--smoke",
-            "--models",
-            "mlp200",
-            "--steps",
-            "2",
-            "--out",
-            str(out),
-        ],
+    proc = _run_script(
+        "profile_step.py",
+        "--smoke",
+        "--models",
+        "mlp200",
+        "--steps",
+        "2",
+        "--out",
+        str(out),
         env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     data = json.loads(out.read_text())
@@ -184,48 +185,26 @@ def test_profile_step_gpu_idle_finds_the_gaps_and_their_phases():
 
 
 def test_profile_step_rejects_bad_device_ids():
-    env = _script_env()
-    script = str(REPO / "benchmarks" / "profile_step.py")
     for ids, expected in [("0,x", "comma-separated integers"), ("99,99", "--device-ids needs")]:
-        proc = subprocess.run(
-            [sys.executable, script, "--device-ids", ids],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        proc = _run_script("profile_step.py", "--device-ids", ids, timeout=120)
         assert proc.returncode == 2, proc.stdout + proc.stderr
         assert expected in proc.stderr, proc.stderr
-    proc = subprocess.run(
-        [sys.executable, script, "--device-ids", "0,0", "--smoke"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = _run_script("profile_step.py", "--device-ids", "0,0", "--smoke", timeout=120)
     assert proc.returncode == 2 and "replaces --gpus and --smoke" in proc.stderr
 
 
 def test_replicate_phases_probe_sees_torchdp_profiler_ranges():
     # The C++ marks its phases with profiler ranges (csrc/torchdp/profiling.h); the probe reads
     # them back from torch.profiler, so each must appear once per replicate call.
-    env = _script_env()
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "benchmarks" / "probe_replicate_phases.py"),
-            "--smoke",
-            "--models",
-            "mlp200",
-            "--calls",
-            "3",
-            "--in-step",
-            "--conditions",
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    proc = _run_script(
+        "probe_replicate_phases.py",
+        "--smoke",
+        "--models",
+        "mlp200",
+        "--calls",
+        "3",
+        "--in-step",
+        "--conditions",
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     # Two profiled sections (isolated calls, then the calls inside training steps), each with
@@ -250,25 +229,21 @@ def test_replicate_phases_probe_sees_torchdp_profiler_ranges():
 
 def test_kept_replicas_probe_times_both_ways(tmp_path):
     out = tmp_path / "kept.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "benchmarks" / "probe_kept_replicas.py"),
-            "--models",
-            "mlp200,transformer",
-            "--rounds",
-            "1",
-            "--steps",
-            "3",
-            "--out",
-            str(out),
-        ],
-        env=_script_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
+    proc = _run_script(
+        "probe_kept_replicas.py",
+        "--models",
+        "mlp200,transformer",
+        "--rounds",
+        "1",
+        "--steps",
+        "3",
+        "--out",
+        str(out),
+        "--plot",
+        str(tmp_path / "kept.png"),
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert (tmp_path / "kept.png").stat().st_size > 0
     import torch
 
     data = json.loads(out.read_text())

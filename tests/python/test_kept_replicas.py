@@ -71,6 +71,28 @@ def assert_same_state(kept: nn.Module, fresh: nn.Module) -> None:
         torch.testing.assert_close(a, b, msg=name)
 
 
+def wrap_both(
+    net: nn.Module, ref: nn.Module, devices: list[torch.device], **options: Any
+) -> tuple[torchdp.DataParallel, torchdp.DataParallel]:
+    """``net`` with kept replicas and ``ref`` (an equal network) with new ones at every forward."""
+    return (
+        torchdp.DataParallel(net, devices=devices, **options),
+        torchdp.DataParallel(ref, devices=devices, cache_replicas=False, **options),
+    )
+
+
+def assert_steps_match(
+    dp: nn.Module,
+    net: nn.Module,
+    fresh: nn.Module,
+    ref: nn.Module,
+    x: torch.Tensor,
+    msg: Any = None,
+) -> None:
+    """One training step through each wrapper gives the same output."""
+    torch.testing.assert_close(step(dp, net, x), step(fresh, ref, x), msg=msg)
+
+
 class ReplicaIds:
     """Records id() of the replicas of `module` that run (ids only: a reference would keep them
     from being reused)."""
@@ -89,13 +111,12 @@ class ReplicaIds:
 
 def test_replicas_are_kept_refilled_and_match_new_replicas():
     net, ref = pair()
-    dp = torchdp.DataParallel(net, devices=cpu_devices(2))
-    fresh = torchdp.DataParallel(ref, devices=cpu_devices(2), cache_replicas=False)
+    dp, fresh = wrap_both(net, ref, cpu_devices(2))
     ids = ReplicaIds(net.a)
     for i in range(4):
         ids.next_step()
         x = torch.randn(8, 4)
-        torch.testing.assert_close(step(dp, net, x), step(fresh, ref, x), msg=f"step {i}")
+        assert_steps_match(dp, net, fresh, ref, x, msg=f"step {i}")
         assert_same_state(net, ref)
     # The same two replica objects ran at every step; the forward's counter never survived.
     assert all(sorted(s) == sorted(ids.ids[0]) for s in ids.ids) and len(set(ids.ids[0])) == 2
@@ -137,8 +158,7 @@ def test_parked_replicas_keep_no_tensors_alive():
 )
 def test_changes_between_forwards_show_up_in_kept_replicas(change):
     net, ref = pair()
-    dp = torchdp.DataParallel(net, devices=cpu_devices(2))
-    fresh = torchdp.DataParallel(ref, devices=cpu_devices(2), cache_replicas=False)
+    dp, fresh = wrap_both(net, ref, cpu_devices(2))
     x = torch.randn(8, 4)
     step(dp, net, x)
     step(fresh, ref, x)
@@ -161,7 +181,7 @@ def test_changes_between_forwards_show_up_in_kept_replicas(change):
     if change == "dtype":
         x = x.double()
     for i in range(2):
-        torch.testing.assert_close(step(dp, net, x), step(fresh, ref, x), msg=f"step {i}")
+        assert_steps_match(dp, net, fresh, ref, x, msg=f"step {i}")
         assert_same_state(net, ref)
         for (name, p), q in zip(net.named_parameters(), ref.parameters(), strict=True):
             assert (p.grad is None) == (q.grad is None), name
@@ -172,8 +192,7 @@ def test_changes_between_forwards_show_up_in_kept_replicas(change):
 @pytest.mark.parametrize("change", ["add_child", "class", "devices"])
 def test_structure_changes_build_new_replicas(change):
     net, ref = pair()
-    dp = torchdp.DataParallel(net, devices=cpu_devices(3))
-    fresh = torchdp.DataParallel(ref, devices=cpu_devices(3), cache_replicas=False)
+    dp, fresh = wrap_both(net, ref, cpu_devices(3))
     x = torch.randn(9, 4)
     step(dp, net, x)
     step(fresh, ref, x)
@@ -190,22 +209,21 @@ def test_structure_changes_build_new_replicas(change):
             m.b.__class__ = Scaled
     if change == "devices":
         x = torch.randn(4, 4)  # two chunks of two: two replicas
-    torch.testing.assert_close(step(dp, net, x), step(fresh, ref, x))
+    assert_steps_match(dp, net, fresh, ref, x)
     assert_same_state(net, ref)
     assert cache_of(dp).builds == 2
-    torch.testing.assert_close(step(dp, net, x), step(fresh, ref, x))
+    assert_steps_match(dp, net, fresh, ref, x)
     assert (cache_of(dp).builds, cache_of(dp).reuses) == (2, 1)
 
 
 def test_no_grad_and_grad_forwards_alternate_on_kept_replicas():
     net, ref = pair()
-    dp = torchdp.DataParallel(net, devices=cpu_devices(2))
-    fresh = torchdp.DataParallel(ref, devices=cpu_devices(2), cache_replicas=False)
+    dp, fresh = wrap_both(net, ref, cpu_devices(2))
     for i in range(3):
         x = torch.randn(8, 4)
         with torch.no_grad():
             torch.testing.assert_close(dp(x), fresh(x), msg=f"no_grad {i}")
-        torch.testing.assert_close(step(dp, net, x), step(fresh, ref, x), msg=f"step {i}")
+        assert_steps_match(dp, net, fresh, ref, x, msg=f"step {i}")
         assert_same_state(net, ref)
     assert cache_of(dp).builds == 1
 
@@ -250,8 +268,7 @@ def test_two_checkpointed_forwards_before_one_backward(reentrant):
     torch.manual_seed(0)
     net = Checkpointed(reentrant)
     ref = copy.deepcopy(net)
-    dp = torchdp.DataParallel(net, devices=cpu_devices(2))
-    fresh = torchdp.DataParallel(ref, devices=cpu_devices(2), cache_replicas=False)
+    dp, fresh = wrap_both(net, ref, cpu_devices(2))
     for i in range(2):
         x1, x2 = torch.randn(6, 4), torch.randn(6, 4)
         for wrapper, m in ((dp, net), (fresh, ref)):
@@ -273,8 +290,7 @@ def test_failed_forward_then_kept_replicas_again():
     torch.manual_seed(0)
     net = Fails()
     ref = copy.deepcopy(net)
-    dp = torchdp.DataParallel(net, devices=cpu_devices(2))
-    fresh = torchdp.DataParallel(ref, devices=cpu_devices(2), cache_replicas=False)
+    dp, fresh = wrap_both(net, ref, cpu_devices(2))
     x = torch.randn(8, 4)
     step(dp, net, x)
     step(fresh, ref, x)
@@ -284,7 +300,7 @@ def test_failed_forward_then_kept_replicas_again():
     assert cache_of(dp).state == "empty"  # the traceback held the replicas: dropped at once
     net.fail = False
     for _ in range(2):
-        torch.testing.assert_close(step(dp, net, x), step(fresh, ref, x))
+        assert_steps_match(dp, net, fresh, ref, x)
     assert_same_state(net, ref)
     assert (cache_of(dp).builds, cache_of(dp).reuses) == (2, 2)
 
@@ -330,11 +346,10 @@ def test_post_replicate_hooks_run_on_every_forward_of_kept_replicas():
         m.b.doubled = m.b.weight.detach() * 2
     handle = torchdp.register_post_replicate_hook(Doubled, hook)
     try:
-        dp = torchdp.DataParallel(net, devices=cpu_devices(2))
-        fresh = torchdp.DataParallel(ref, devices=cpu_devices(2), cache_replicas=False)
+        dp, fresh = wrap_both(net, ref, cpu_devices(2))
         for i in range(3):
             x = torch.randn(8, 4)
-            torch.testing.assert_close(step(dp, net, x), step(fresh, ref, x), msg=f"step {i}")
+            assert_steps_match(dp, net, fresh, ref, x, msg=f"step {i}")
             assert_same_state(net, ref)
         assert (cache_of(dp).builds, cache_of(dp).reuses) == (1, 2)
     finally:
@@ -466,8 +481,7 @@ def test_training_with_kept_replicas_matches_new_replicas(names):
     torch.manual_seed(0)
     net = ConvBN().to(devices[0])
     ref = copy.deepcopy(net)
-    dp = torchdp.DataParallel(net, devices=devices)
-    fresh = torchdp.DataParallel(ref, devices=devices, cache_replicas=False)
+    dp, fresh = wrap_both(net, ref, devices)
     torch_dp = None
     if all(d.type == "cuda" for d in devices) and len(set(devices)) == len(devices):
         torch_net = copy.deepcopy(net)
@@ -500,11 +514,10 @@ def test_forward_that_rewrites_its_replica_is_not_kept(rewrite):
     torch.manual_seed(0)
     net = nn.Sequential(Quirky(4, 4), nn.Linear(4, 2))
     ref = copy.deepcopy(net)
-    dp = torchdp.DataParallel(net, devices=cpu_devices(2))
-    fresh = torchdp.DataParallel(ref, devices=cpu_devices(2), cache_replicas=False)
+    dp, fresh = wrap_both(net, ref, cpu_devices(2))
     for i in range(3):
         x = torch.randn(6, 4)
-        torch.testing.assert_close(step(dp, net, x), step(fresh, ref, x), msg=f"step {i}")
+        assert_steps_match(dp, net, fresh, ref, x, msg=f"step {i}")
         assert cache_of(dp).state == "empty"
     assert type(net[0]) is Quirky and not hasattr(net[0], "seen")
     assert (cache_of(dp).builds, cache_of(dp).reuses) == (3, 0)
@@ -527,11 +540,10 @@ def test_parametrized_and_hooked_weights_on_kept_replicas(kind):
         return nn.Sequential(lin, nn.Tanh(), nn.Linear(4, 2))
 
     net, ref = make(), make()
-    dp = torchdp.DataParallel(net, devices=cpu_devices(2))
-    fresh = torchdp.DataParallel(ref, devices=cpu_devices(2), cache_replicas=False)
+    dp, fresh = wrap_both(net, ref, cpu_devices(2))
     for i in range(3):
         x = torch.randn(6, 4)
-        torch.testing.assert_close(step(dp, net, x), step(fresh, ref, x), msg=f"step {i}")
+        assert_steps_match(dp, net, fresh, ref, x, msg=f"step {i}")
         assert_same_state(net, ref)
     assert (cache_of(dp).builds, cache_of(dp).reuses) == (1, 2)
 
@@ -590,13 +602,10 @@ def test_stale_attributes_move_with_kept_replicas(held):
     ref = copy.deepcopy(net)
     if held == "tensor":
         del net.stages, ref.stages
-    dp = torchdp.DataParallel(net, devices=devices, stale_attributes="move")
-    fresh = torchdp.DataParallel(
-        ref, devices=devices, stale_attributes="move", cache_replicas=False
-    )
+    dp, fresh = wrap_both(net, ref, devices, stale_attributes="move")
     for i in range(3):
         x = torch.randn(6, 4)
-        torch.testing.assert_close(step(dp, net, x), step(fresh, ref, x), msg=f"step {i}")
+        assert_steps_match(dp, net, fresh, ref, x, msg=f"step {i}")
         assert_same_state(net, ref)
     expected = (1, 2) if held == "tensor" else (3, 0)
     assert (cache_of(dp).builds, cache_of(dp).reuses) == expected
@@ -606,8 +615,7 @@ def test_a_submodule_replaced_by_one_of_its_class_refills_the_kept_replicas():
     # The refill takes everything from this forward's walk: the kept objects only need the same
     # classes in the same positions.
     net, ref = pair()
-    dp = torchdp.DataParallel(net, devices=cpu_devices(2))
-    fresh = torchdp.DataParallel(ref, devices=cpu_devices(2), cache_replicas=False)
+    dp, fresh = wrap_both(net, ref, cpu_devices(2))
     x = torch.randn(8, 4)
     step(dp, net, x)
     step(fresh, ref, x)
@@ -615,7 +623,7 @@ def test_a_submodule_replaced_by_one_of_its_class_refills_the_kept_replicas():
     net.b = nn.Linear(6, 3)
     ref.b = copy.deepcopy(net.b)
     for i in range(2):
-        torch.testing.assert_close(step(dp, net, x), step(fresh, ref, x), msg=f"step {i}")
+        assert_steps_match(dp, net, fresh, ref, x, msg=f"step {i}")
         assert_same_state(net, ref)
     assert (cache_of(dp).builds, cache_of(dp).reuses) == (1, 2)
 
