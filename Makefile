@@ -3,6 +3,7 @@
 #               Python tests (pytest, against the torchdp._C built in place into python/torchdp)
 #   make python build only the torchdp._C extension, in place (python/torchdp/_C*.so)
 #   make install-python   pip install --no-build-isolation -e . (the setup.py driven build)
+#   make bench  the benchmark suite, all modes side by side, into benchmarks/results/ (GPUs)
 #   make demo   train a small masked model with torchdp.DataParallel (Python) and check it
 #   make demo-cpp   the same with torchdp::DataParallel in C++
 #   make test-sanitize   the C++ and Python tests against an AddressSanitizer + UBSan build

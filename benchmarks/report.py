@@ -13,6 +13,8 @@ machine entries, e.g. the C++ benchmark's). Writes:
 * OUT_PREFIX-speedup.png: speedup over one GPU per model/dtype (grouped bars, one per mode, the C++
   models included), dashed lines at 1.0 and at the GPU count;
 * OUT_PREFIX-replicate.png: replicate time vs module count (log-log, one line per mode).
+* OUT_PREFIX-scaling.png: speedup against the GPU count, one panel per model, over every results
+  file given (so 2-, 4- and 8-GPU runs share the panels).
 
 Defaults: OUT.md = RESULTS with the suffix .md, OUT_PREFIX = RESULTS without its suffix. Missing
 sections are left out (smoke results have few records); a plot with no data is not written.

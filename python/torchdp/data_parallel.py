@@ -66,6 +66,25 @@ def _check_balance(device_ids: Sequence[int]) -> None:
             return
 
 
+def _check_device_ids(device_ids: Sequence[int], output_device: int, api: str) -> None:
+    """CUDA device ids (and an output device other than -1, the CPU) that this process cannot use
+    fail here with torchdp's message, not in PyTorch's device-properties assertion or at the
+    first forward's gather."""
+    checked = [("device_ids", list(device_ids))]
+    if output_device != -1:
+        checked.append(("output_device", [output_device]))
+    for name, ids in checked:
+        bad = [i for i in ids if i < 0]
+        if bad:
+            raise ValueError(
+                f"{api}: {name} must hold CUDA device indices >= 0"
+                + (" (or -1 for the CPU)" if name == "output_device" else "")
+                + f", got {bad[0]}"
+            )
+    for name, ids in checked:
+        _C.normalize_devices([torch.device("cuda", i) for i in ids], f"{api} ({name})")
+
+
 def _output_device_of(output_device: Any, api: str) -> torch.device:
     """The output device of an explicit ``devices=`` list: the CPU is allowed ('cpu' or -1)."""
     if (
@@ -365,6 +384,7 @@ class DataParallel(_TorchDataParallel[T]):
         self.src_device_obj = torch.device(device_type, self.device_ids[0])
 
         if device_type == "cuda":
+            _check_device_ids(self.device_ids, self.output_device, "torchdp.DataParallel")
             _check_balance(self.device_ids)
 
         if len(self.device_ids) == 1:
@@ -607,6 +627,8 @@ def data_parallel(
             output_device = device_ids[0]
         used_ids = [_get_device_index(x, True) for x in device_ids]
         target = _get_device_index(output_device, True)
+        if device_type == "cuda":
+            _check_device_ids(used_ids, target, "torchdp.data_parallel")
         src_device = torch.device(device_type, used_ids[0])
 
     found = _check_module_device(module, src_device)

@@ -276,6 +276,14 @@ def _gather_map(outputs: Sequence[Any], target: _GatherTarget, dim: int) -> Any:
                 )
         target.used = True
         return _C.gather(list(outputs), target.device, dim, True)
+    for i, other in enumerate(outputs):
+        # PyTorch returns None for a None in output 0 and iterates a tensor where output 0 holds
+        # a sequence: the other replicas' tensors would be dropped or cut into rows.
+        if isinstance(other, torch.Tensor):
+            raise TypeError(
+                f"torchdp.gather: output 0 holds {type(out).__qualname__} where output {i} holds "
+                "a tensor; every replica must return the same structure"
+            )
     if out is None:
         return None
     if isinstance(out, GATHER_CONSTANTS):

@@ -36,6 +36,7 @@ def simulated_cuda(monkeypatch):
     monkeypatch.setattr(dp_module, "_get_available_device_type", lambda: "cuda")
     monkeypatch.setattr(dp_module, "_get_all_device_indices", lambda: [0, 1])
     monkeypatch.setattr(dp_module, "_check_balance", lambda ids: None)
+    monkeypatch.setattr(dp_module, "_check_device_ids", lambda ids, output, api: None)
 
 
 def _net():
@@ -159,6 +160,36 @@ def test_devices_keyword_errors():
         torchdp.DataParallel(_net(), devices=CPU)
     with pytest.raises(RuntimeError, match="torchdp.DataParallel: 'gpu7' is not a device"):
         torchdp.DataParallel(_net(), devices=["gpu7"])
+
+
+def test_device_ids_checked_at_construction():
+    """CUDA ids the process cannot use fail when the wrapper is built (the output device too, which
+    PyTorch takes and fails on at the first forward's gather), named with the argument."""
+    check = dp_module._check_device_ids
+    with pytest.raises(
+        ValueError, match=r"torchdp.DataParallel: device_ids must hold CUDA device "
+    ):
+        check([0, -2], 0, "torchdp.DataParallel")
+    with pytest.raises(
+        ValueError, match=r"output_device must hold .* \(or -1 for the CPU\), got -3"
+    ):
+        check([0], -3, "torchdp.DataParallel")
+    if not torch.cuda.is_available():
+        with pytest.raises(
+            RuntimeError, match=r"torchdp.DataParallel \(device_ids\): device cuda:0"
+        ):
+            check([0], -1, "torchdp.DataParallel")
+        return
+    count = torch.cuda.device_count()
+    check([0], -1, "torchdp.DataParallel")  # -1: gather onto the CPU
+    for ids, output, name in (([0, count], 0, "device_ids"), ([0], count, "output_device")):
+        message = rf"torchdp.DataParallel \({name}\): device cuda:{count} does not exist"
+        with pytest.raises(RuntimeError, match=message):
+            torchdp.DataParallel(_net().cuda(), device_ids=ids, output_device=output)
+        with pytest.raises(RuntimeError, match=message.replace("DataParallel", "data_parallel")):
+            torchdp.data_parallel(
+                _net().cuda(), torch.randn(4, 4, device="cuda"), ids, output_device=output
+            )
 
 
 def test_constructor_checks_module_and_dim():

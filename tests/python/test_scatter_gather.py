@@ -234,6 +234,13 @@ def test_gather_of_outputs_that_are_not_tensors_is_an_error():
         torchdp.gather([t, None], CPU)
     with pytest.raises(TypeError, match="output 0 holds a tensor where output 2 holds int"):
         torchdp.gather([(t, t), (t, t), (t, 1)], CPU)
+    # The other way round too (PyTorch returns None, or cuts the tensor into rows).
+    with pytest.raises(TypeError, match="output 0 holds NoneType where output 1 holds a tensor"):
+        torchdp.gather([None, t], CPU)
+    with pytest.raises(TypeError, match="output 0 holds NoneType where output 2 holds a tensor"):
+        torchdp.gather([(t, None), (t, None), (t, t)], CPU)
+    with pytest.raises(TypeError, match="output 0 holds tuple where output 1 holds a tensor"):
+        torchdp.gather([(t,), t], CPU)
     for bad in ([1.0, 2.0], ["a", "b"], [(t, 1), (t, 2)], [b"x", b"y"], [1, 1.0]):
         kind = type(bad[0][1] if isinstance(bad[0], tuple) else bad[0]).__qualname__
         with pytest.raises(TypeError, match=f"outputs of type {kind} differ between replicas"):
