@@ -390,6 +390,16 @@ std::vector<at::Tensor> scatter(const at::Tensor& tensor,
   TORCH_CHECK(tensor.dim() > 0, api,
               ": cannot scatter a 0-dim tensor (a scalar has no dimension to split); give it a "
               "batch dimension, e.g. tensor.unsqueeze(0)");
+  TORCH_CHECK_INDEX(dim >= -tensor.dim() && dim < tensor.dim(), api, ": dim ", dim,
+                    " is out of range for an input of shape ", tensor.sizes(), "; it must be in [",
+                    -tensor.dim(), ", ", tensor.dim() - 1, "], the dimension to split along");
+  if (tensor.is_meta()) {
+    for (const auto& d : devices) {
+      TORCH_CHECK(d.is_meta(), api, ": the input is on the meta device, which holds no data, and ",
+                  "cannot be copied to ", d, "; put it on a device with data, or scatter it to ",
+                  "meta devices only");
+    }
+  }
   const int64_t wrapped = c10::maybe_wrap_dim(dim, tensor.dim());
   at::NoGradGuard no_grad;
   std::vector<at::Tensor> chunks;
@@ -426,6 +436,9 @@ at::Tensor gather(at::TensorList tensors, c10::Device destination_in, int64_t di
   TORCH_CHECK(first.defined(), api, ": tensor 0 is undefined");
   TORCH_CHECK(first.dim() > 0, api, ": cannot gather 0-dim tensors along dimension ", dim,
               "; give them a dimension first (autograd gather does this for dim 0)");
+  TORCH_CHECK_INDEX(dim >= -first.dim() && dim < first.dim(), api, ": dim ", dim,
+                    " is out of range for tensors of shape ", first.sizes(), "; it must be in [",
+                    -first.dim(), ", ", first.dim() - 1, "], the dimension to concatenate along");
   const int64_t wrapped = c10::maybe_wrap_dim(dim, first.dim());
   auto sizes = first.sizes().vec();
   int64_t total = 0;

@@ -222,6 +222,10 @@ at::Tensor data_parallel(ModuleType module, at::Tensor input,
     module->to(used.front());
     return module->forward(input.to(used.front())).to(out_device);
   }
+  TORCH_CHECK_INDEX(
+      !input.defined() || input.dim() == 0 || (dim >= -input.dim() && dim < input.dim()), api,
+      ": dim ", dim, " is out of range for an input of shape ", input.sizes(), "; it must be in [",
+      -input.dim(), ", ", input.dim() - 1, "], the dimension the batch is split along");
   auto chunks = autograd::scatter(input, used, std::nullopt, dim);
   used.resize(chunks.size(), used.front());
   auto replicas = replicate(module, used);

@@ -451,7 +451,15 @@ TEST_CASE("comm::scatter errors", "[cpu][comm]") {
                               "undefined");
   }
   SECTION("dim out of range") {
-    CHECK_THROWS_AS(torchdp::comm::scatter(x, cpu_devices(2), std::nullopt, 2), c10::Error);
+    CHECK_THROWS_AS(torchdp::comm::scatter(x, cpu_devices(2), std::nullopt, 2), c10::IndexError);
+    TORCHDP_CHECK_THROWS_WITH(torchdp::comm::scatter(x, cpu_devices(2), std::nullopt, -3), api,
+                              "dim -3 is out of range", "[8, 2]", "[-2, 1]");
+  }
+  SECTION("meta input to devices with data") {
+    const auto m = torch::empty({4, 2}, torch::kMeta);
+    TORCHDP_CHECK_THROWS_WITH(torchdp::comm::scatter(m, {kCpu, kCpu}), api, "meta device",
+                              "cannot be copied to cpu");
+    CHECK(torchdp::comm::scatter(m, {torch::kMeta, torch::kMeta})[1].is_meta());
   }
 }
 
@@ -535,6 +543,11 @@ TEST_CASE("comm::gather errors", "[cpu][comm]") {
   SECTION("0-dim tensors") {
     TORCHDP_CHECK_THROWS_WITH(torchdp::comm::gather({torch::tensor(1.F), torch::tensor(2.F)}, kCpu),
                               api, "cannot gather 0-dim tensors");
+  }
+  SECTION("dim out of range") {
+    TORCHDP_CHECK_THROWS_WITH(
+        torchdp::comm::gather({torch::ones({2, 3}), torch::ones({1, 3})}, kCpu, 2), api,
+        "dim 2 is out of range", "[2, 3]", "[-2, 1]");
   }
   SECTION("unsupported destination") {
     TORCHDP_CHECK_THROWS_WITH(torchdp::comm::gather({torch::ones({2})}, torch::Device("xpu")), api,

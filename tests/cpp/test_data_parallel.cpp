@@ -248,6 +248,11 @@ TEST_CASE("DataParallel rejects bad arguments with clear errors", "[cpu][data_pa
                               "dim 2 (DataParallelOptions::dim) is out of range", "of shape [4, 3]",
                               "[-2, 1]");
   }
+  SECTION("a dim the input does not have, for data_parallel") {
+    TORCHDP_CHECK_THROWS_WITH(
+        torchdp::data_parallel(linear, torch::ones({4, 3}), cpu_devices(2), std::nullopt, 2),
+        "torchdp::data_parallel", "dim 2 is out of range", "of shape [4, 3]", "[-2, 1]");
+  }
   SECTION("an empty device list for data_parallel") {
     TORCHDP_CHECK_THROWS_WITH(
         torchdp::data_parallel(linear, torch::ones({2, 3}), std::vector<torch::Device>{}),
