@@ -47,6 +47,17 @@ using torch::autograd::variable_list;
 // always receives an undefined gradient. Next edges are collected over all inputs; inputs that do
 // not require grad give invalid edges, which the engine skips.
 
+// Note [Scatter chunks of inputs that require grad]
+// comm::scatter leaves the chunks that stay on the input's device as views of it (no copy). When
+// the input requires grad those chunks would carry ScatterBackward's history while sharing the
+// input's storage and version counter, a view autograd does not know about: an in-place op in a
+// replica's forward (x.sub_(m), nn.ReLU(inplace=True) first) would overwrite the caller's tensor
+// unseen, even a leaf that requires grad, and bump the counter the other chunks' saved tensors
+// check, so that backward fails with a version error the plain module does not give. Such chunks
+// are therefore copied (one device-local copy of 1/n of the input, only when the input requires
+// grad; PyTorch's Scatter makes the same in-place op an error instead). Inputs that do not require
+// grad keep view chunks, as in PyTorch.
+
 // Autograd nodes are held by std::shared_ptr in older torch releases and by c10::intrusive_ptr in
 // newer ones; Edge::function tells which.
 using NodePtr = decltype(torch::autograd::Edge::function);
@@ -965,13 +976,14 @@ std::vector<at::Tensor> scatter(const at::Tensor& input, const std::vector<c10::
   auto node = make_node<ScatterBackward>(detail::canonical(input.device()), wrapped);
   node->set_next_edges(edges_of({input}));
   for (auto& chunk : chunks) {
-    // Chunks that stayed on the input's device are views of it; give them tensors of their own
-    // (sharing storage and version counter) so they carry this node's history.
+    // Chunks that stayed on the input's device are views of it that autograd would not know as
+    // views (they carry this node's history): an in-place op in a replica's forward would then
+    // write into the caller's tensor unseen (a leaf that requires grad included) and bump the
+    // version counter the other chunks share. They get storage of their own instead, as the
+    // chunks copied to other devices have (Note [Scatter chunks of inputs that require grad]).
     if (chunk.is_alias_of(input)) {
-      auto own = chunk.variable_data();
-      torch::autograd::impl::set_version_counter(own,
-                                                 torch::autograd::impl::version_counter(input));
-      chunk = std::move(own);
+      at::NoGradGuard no_grad;
+      chunk = chunk.clone();
     }
     attach(node, chunk, true);
   }

@@ -331,25 +331,28 @@ TEST_CASE("autograd::scatter unused chunks get zero gradient", "[cpu][autograd]"
   CHECK(torch::equal(x.grad(), expected));
 }
 
-TEST_CASE("autograd::scatter chunks share the input's storage but carry history",
-          "[cpu][autograd]") {
+TEST_CASE("autograd::scatter copies the chunks of an input that requires grad", "[cpu][autograd]") {
+  // Note [Scatter chunks of inputs that require grad]: in-place ops on the chunks reach neither
+  // the input nor the other chunks' saved tensors.
   const auto x = leaf({4, 2});
+  const auto before = x.detach().clone();
   const auto chunks = torchdp::autograd::scatter(x, cpu_devices(2));
   REQUIRE(chunks.size() == 2);
   for (const auto& chunk : chunks) {
-    CHECK(chunk.is_alias_of(x));
+    CHECK_FALSE(chunk.is_alias_of(x));
     CHECK(chunk.requires_grad());
-    CHECK(chunk.grad_fn());
+    CHECK(grad_fn_name(chunk) == "torchdp::ScatterBackward");
   }
-  CHECK(chunks[0].data_ptr() == x.data_ptr());
-  // They share the input's version counter, as views do.
-  const auto version = chunks[1]._version();
-  {
-    torch::NoGradGuard no_grad;
-    x.add_(1);
-  }
-  CHECK(chunks[1]._version() == version + 1);
-  CHECK(chunks[0]._version() == x._version());
+  CHECK(torch::equal(torch::cat(chunks), before));
+  const auto saved = chunks[1] * chunks[1]; // saves chunks[1] for backward
+  const auto relu = chunks[0].mul(1).relu_().sum();
+  chunks[0].sub_(1);
+  CHECK(torch::equal(x.detach(), before));
+  (saved.sum() + relu).backward();
+  auto expected = torch::ones({4, 2});
+  expected.narrow(0, 0, 2).copy_((before.narrow(0, 0, 2) > 0).to(torch::kFloat));
+  expected.narrow(0, 2, 2).copy_(2 * before.narrow(0, 2, 2));
+  CHECK(torch::allclose(x.grad(), expected));
 }
 
 TEST_CASE("autograd::scatter without grad records no history", "[cpu][autograd]") {

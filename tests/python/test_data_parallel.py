@@ -574,3 +574,38 @@ def test_a_keyword_tensor_with_a_smaller_batch_names_the_cause():
     with pytest.raises(AssertionError, match=r"kwargs_tup 1: the keyword arguments split into 1"):
         dp(torch.randn(4, 3), mask=torch.ones(1, 3))
     assert dp(torch.randn(4, 3), mask=torch.ones(4, 3)).shape == (4, 3)
+
+
+def test_in_place_ops_on_inputs_that_require_grad():
+    """A replica's forward that changes its input chunk in place (an in-place normalisation,
+    nn.ReLU(inplace=True) first) neither writes into the caller's leaf tensor nor breaks backward;
+    gradients equal the plain module's on an out-of-place copy of the batch."""
+
+    class SubInPlace(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 3)
+
+        def forward(self, x):
+            x.sub_(1.0)
+            return self.lin(x)
+
+    torch.manual_seed(0)
+    net = SubInPlace()
+    x = torch.randn(6, 4, requires_grad=True)
+    before = x.detach().clone()
+    torchdp.DataParallel(net, devices=cpu_devices(2))(x).pow(2).sum().backward()
+    assert torch.equal(x.detach(), before)
+    reference = before.clone().requires_grad_()
+    net.zero_grad()
+    net(reference.clone()).pow(2).sum().backward()
+    torch.testing.assert_close(x.grad, reference.grad)
+
+    net = nn.Sequential(nn.ReLU(inplace=True), nn.Linear(4, 3))
+    for n in (2, 3):
+        a = torch.randn(6, 4, requires_grad=True)
+        dp_out = torchdp.DataParallel(net, devices=cpu_devices(n))(a * 2)
+        dp_out.pow(2).sum().backward()
+        dp_grad, a.grad = a.grad, None
+        net(a * 2).pow(2).sum().backward()
+        torch.testing.assert_close(dp_grad, a.grad)
