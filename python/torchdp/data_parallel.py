@@ -85,6 +85,19 @@ def _check_device_ids(device_ids: Sequence[int], output_device: int, api: str) -
         _C.normalize_devices([torch.device("cuda", i) for i in ids], f"{api} ({name})")
 
 
+def _check_kwargs_chunks(inputs: Sequence[Any], kwargs: Sequence[Any], dim: int) -> None:
+    """PyTorch's scatter_kwargs pads only when the keyword chunks are fewer than the positional
+    *arguments*; its parallel_apply then asserts. Same error, with the cause and the fix."""
+    if len(kwargs) != len(inputs):
+        raise AssertionError(
+            f"The number of modules {len(inputs)} is not equal to the number of "
+            f"kwargs_tup {len(kwargs)}: the keyword arguments split into "
+            f"{len(kwargs)} chunks along dim {dim} and the positional ones "
+            f"into {len(inputs)}; give keyword tensors the same batch size as the "
+            "positional inputs along that dim"
+        )
+
+
 def _output_device_of(output_device: Any, api: str) -> torch.device:
     """The output device of an explicit ``devices=`` list: the CPU is allowed ('cpu' or -1)."""
     if (
@@ -408,6 +421,10 @@ class DataParallel(_TorchDataParallel[T]):
             self._check_or_place_module()
 
             inputs, module_kwargs = self.scatter(inputs, kwargs, self.device_ids)
+            if (
+                module_kwargs is None
+            ):  # an overridden scatter may say "no keywords" (as parallel_apply)
+                module_kwargs = tuple({} for _ in inputs)
             # A forward without arguments runs once, on device_ids[0].
             if not inputs and not module_kwargs:
                 inputs = ((),)
@@ -422,17 +439,7 @@ class DataParallel(_TorchDataParallel[T]):
                 if len(self.device_ids) == 1:
                     output = self.module(*inputs[0], **module_kwargs[0])
                     return output if self.gather_output else [output]
-                if len(module_kwargs) != len(inputs):
-                    # PyTorch's scatter_kwargs pads only when the keyword chunks are fewer than the
-                    # positional *arguments*; its parallel_apply then asserts. Same error, with the
-                    # cause.
-                    raise AssertionError(
-                        f"The number of modules {len(inputs)} is not equal to the number of "
-                        f"kwargs_tup {len(module_kwargs)}: the keyword arguments split into "
-                        f"{len(module_kwargs)} chunks along dim {self.dim} and the positional ones "
-                        f"into {len(inputs)}; give keyword tensors the same batch size as the "
-                        "positional inputs along that dim"
-                    )
+                _check_kwargs_chunks(inputs, module_kwargs, self.dim)
                 replicas = self.replicate(self.module, self.device_ids[: len(inputs)])
                 try:
                     outputs = self.parallel_apply(replicas, inputs, module_kwargs)
@@ -643,6 +650,7 @@ def data_parallel(
 
     if len(used_ids) == 1:
         return module(*scattered[0], **scattered_kwargs[0])
+    _check_kwargs_chunks(scattered, scattered_kwargs, dim)
     used = used_ids[: len(scattered)]
     cache = None
     if cache_replicas:

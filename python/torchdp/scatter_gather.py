@@ -136,8 +136,18 @@ def _scatter_map(obj: Any, devices: list[torch.device], dim: int) -> Any:
     if isinstance(obj, dict) and len(obj) > 0:
         parts = [_scatter_map(item, devices, dim) for item in obj.items()]
         return [type(obj)(pairs) for pairs in zip(*parts, strict=False)]
-    # Everything else (None, numbers, strings, empty containers, dataclasses, custom objects):
-    # the same object, by reference, for every device.
+    node = _pytree.SUPPORTED_NODES.get(type(obj))
+    if node is not None and not isinstance(obj, (dict, list, tuple)):
+        # A type registered with torch.utils._pytree (register_dataclass, ...): split field by
+        # field and rebuilt per chunk, as gather takes such outputs apart. PyTorch passes it whole
+        # to every replica; with gather's rebuild that would give every replica the whole batch
+        # and concatenate n copies of the result.
+        children, context = node.flatten_fn(obj)
+        if children:
+            parts = [_scatter_map(child, devices, dim) for child in children]
+            return [node.unflatten_fn(list(group), context) for group in zip(*parts, strict=False)]
+    # Everything else (None, numbers, strings, empty containers, unregistered dataclasses, custom
+    # objects): the same object, by reference, for every device.
     return [obj for _ in devices]
 
 
@@ -161,7 +171,9 @@ def scatter(inputs: Any, target_gpus: Sequence[DeviceLike], dim: int = 0) -> Any
     semantics along :attr:`dim` (so there may be fewer chunks than devices), tuples, lists, dicts
     (dict subclasses are rebuilt with ``type(obj)(pairs)``) and named tuples are rebuilt per chunk,
     ``zip`` truncates to the shortest branch, and every other object is passed to each device by
-    reference. The split is differentiable: the gradient of each chunk flows back to the input.
+    reference. Unlike PyTorch, types registered with ``torch.utils._pytree``
+    (``register_dataclass``, ...) are split field by field and rebuilt per chunk, as
+    :func:`gather` takes them apart. The split is differentiable: the gradient of each chunk flows back to the input.
 
     Args:
         inputs (Any): a tensor or a nested structure holding tensors.
@@ -326,6 +338,27 @@ def _gather_map(outputs: Sequence[Any], target: _GatherTarget, dim: int) -> Any:
         if not all(len(out) == len(d) for d in outputs):
             raise ValueError("All dicts must have the same number of keys")
         return type(out)((k, _gather_map([d[k] for d in outputs], target, dim)) for k in out)
+    if hasattr(out, "__next__") or isinstance(out, (set, frozenset)):
+        # A generator or iterator (consumed by taking it apart), or a set (no order to pair the
+        # replicas' items by).
+        raise TypeError(
+            f"torchdp.gather: a replica output is a {type(out).__qualname__}, which gather cannot "
+            "pair item by item across replicas; return a tuple or list instead (e.g. "
+            "tuple(generator))"
+        )
+    for i, other in enumerate(outputs):
+        if not hasattr(other, "__len__"):
+            raise TypeError(
+                f"torchdp.gather: output 0 holds {type(out).__qualname__} where output {i} holds "
+                f"{type(other).__qualname__}; every replica must return the same structure"
+            )
+    lengths = [len(o) for o in outputs]
+    if any(n != lengths[0] for n in lengths):
+        # PyTorch's zip drops the longer outputs' extra items without a word.
+        raise ValueError(
+            f"torchdp.gather: the replicas returned {type(out).__qualname__} outputs of different "
+            f"lengths {lengths}; every replica must return the same structure"
+        )
     if _is_namedtuple(out):
         return type(out)._make(
             _gather_map(group, target, dim) for group in zip(*outputs, strict=True)
@@ -358,6 +391,10 @@ def gather(outputs: Any, target_device: DeviceLike, dim: int = 0) -> Any:
         torch.Size([3, 3])
     """
     target = _GatherTarget(target_device)
+    if len(outputs) == 0:
+        raise ValueError(
+            "torchdp.gather: expected one output per replica, got an empty sequence of outputs"
+        )
     result = _gather_map(outputs, target, _check_dim(dim, "torchdp.gather"))
     if target.minus_one and target.used:
         # torch.cuda.comm.gather's warning, once per call (PyTorch warns once per tensor).

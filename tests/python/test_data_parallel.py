@@ -576,6 +576,29 @@ def test_a_keyword_tensor_with_a_smaller_batch_names_the_cause():
     assert dp(torch.randn(4, 3), mask=torch.ones(4, 3)).shape == (4, 3)
 
 
+def test_keyword_chunk_mismatch_in_the_functional_form_names_the_cause():
+    with pytest.raises(AssertionError, match=r"kwargs_tup 1: the keyword arguments split into 1"):
+        torchdp.data_parallel(
+            WithMask(),
+            torch.randn(4, 3),
+            module_kwargs={"mask": torch.ones(1, 3)},
+            devices=cpu_devices(2),
+        )
+
+
+def test_an_overridden_scatter_may_return_no_keyword_arguments():
+    """nn.DataParallel hands the scatter's keyword side to parallel_apply, where None means none."""
+
+    class CustomSplit(torchdp.DataParallel):
+        def scatter(self, inputs, kwargs, device_ids):
+            x = inputs[0]
+            return [(x[:3],), (x[3:],)], None
+
+    net = nn.Linear(4, 2)
+    x = torch.randn(4, 4)
+    torch.testing.assert_close(CustomSplit(net, devices=cpu_devices(2))(x), net(x))
+
+
 def test_in_place_ops_on_inputs_that_require_grad():
     """A replica's forward that changes its input chunk in place (an in-place normalisation,
     nn.ReLU(inplace=True) first) neither writes into the caller's leaf tensor nor breaks backward;

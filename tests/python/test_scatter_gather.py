@@ -193,8 +193,22 @@ def test_gather_dicts_must_have_the_same_number_of_keys():
 
 
 def test_gather_sequences_of_different_lengths_fail():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"tuple outputs of different lengths \[1, 2\]"):
         torchdp.gather([(torch.ones(1),), (torch.ones(1), torch.ones(1))], CPU)
+    with pytest.raises(ValueError, match=r"list outputs of different lengths \[2, 2, 1\]"):
+        torchdp.gather([[torch.ones(1)] * 2, [torch.ones(1)] * 2, [torch.ones(1)]], CPU)
+
+
+def test_gather_of_nothing_and_of_iterators_is_an_error():
+    with pytest.raises(ValueError, match="torchdp.gather: expected one output per replica"):
+        torchdp.gather([], CPU)
+    for make in (lambda: (t for t in [torch.ones(1)]), lambda: iter([torch.ones(1)])):
+        with pytest.raises(TypeError, match="return a tuple or list instead"):
+            torchdp.gather([make(), make()], CPU)
+    with pytest.raises(TypeError, match="output 0 holds tuple where output 1 holds NoneType"):
+        torchdp.gather([(torch.ones(1),), None], CPU)
+    with pytest.raises(TypeError, match="a replica output is a set"):
+        torchdp.gather([{1}, {1}], CPU)
 
 
 def test_gather_to_meta():
@@ -294,6 +308,46 @@ def test_gather_takes_apart_types_registered_with_pytree():
     assert torch.equal(w.grad, torch.full((2,), 2.0))
     with pytest.raises(TypeError, match="differ in type or structure"):
         torchdp.gather([Registered(w.sum(), w), ModelOut(w.sum(), w)], CPU)
+
+
+def test_scatter_splits_types_registered_with_pytree():
+    """Symmetric with gather: a registered dataclass input is split field by field, so a model
+    that takes and returns one gives the plain module's rows and gradients."""
+    from collections import deque
+
+    from torch.utils import _pytree
+
+    @dataclass
+    class Batch:
+        x: torch.Tensor
+        tag: str
+
+    _pytree.register_dataclass(Batch)
+    x = torch.arange(12.0).reshape(6, 2)
+    chunks = torchdp.scatter(Batch(x, "t"), cpu_devices(3))
+    assert [type(c) for c in chunks] == [Batch] * 3
+    assert [c.tag for c in chunks] == ["t"] * 3
+    assert torch.equal(torch.cat([c.x for c in chunks]), x)
+    chunks = torchdp.scatter(deque([x, 1]), cpu_devices(2))
+    assert [type(c) for c in chunks] == [deque] * 2 and chunks[1][1] == 1
+    assert torch.equal(chunks[1][0], x[3:])
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(2, 3)
+
+        def forward(self, b):
+            return Batch(self.lin(b.x), b.tag)
+
+    net = Net()
+    out = torchdp.DataParallel(net, devices=cpu_devices(3))(Batch(x, "t"))
+    assert isinstance(out, Batch) and out.x.shape == (6, 3) and out.tag == "t"
+    out.x.sum().backward()
+    dp_grad = net.lin.weight.grad.clone()
+    net.zero_grad()
+    net(Batch(x, "t")).x.sum().backward()
+    torch.testing.assert_close(dp_grad, net.lin.weight.grad)
 
 
 def test_scatter_rejects_bad_targets():
