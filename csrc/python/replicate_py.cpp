@@ -6,6 +6,7 @@
 #include <torchdp/comm.h>
 #include <torchdp/devices.h>
 #include <torchdp/profiling.h>
+#include <torchdp/replicate.h>
 
 #include <c10/util/Exception.h>
 #include <c10/util/irange.h>
@@ -1252,6 +1253,28 @@ them (their dictionaries are then emptied); otherwise drops them from the cache.
       R"doc(Raises RuntimeError when a registered parameter or buffer of the replica rooted at copies[j][0]
 (walked from that root, so modules added by hooks count) is not on devices[j], naming its qualified
 name, its device and the expected device.)doc");
+  py::class_<torchdp::BufferSnapshot>(m, "BufferSnapshot",
+                                      R"doc(A copy of a module's buffers that can be
+written back into them (Note [Buffers of failed forwards]).)doc")
+      .def("restore", torch::wrap_pybind_function([](torchdp::BufferSnapshot& self) {
+             return self.restore();
+           }),
+           "Writes the copy back into the buffers; returns how many.")
+      .def("__len__", &torchdp::BufferSnapshot::size);
+  m.def("snapshot_buffers", torch::wrap_pybind_function([](py::object network) {
+          TypeTable types;
+          auto net = walk_network(network, types);
+          auto buffers = parameters_and_buffers(network, net).second;
+          std::vector<at::Tensor> tensors;
+          tensors.reserve(buffers.size());
+          for (auto b : buffers) {
+            tensors.push_back(tensor_of(b, "buffer"));
+          }
+          return torchdp::BufferSnapshot(tensors);
+        }),
+        py::arg("network"),
+        R"doc(A BufferSnapshot of network.buffers(): DataParallel writes it back when a replicated
+forward fails (Note [Buffers of failed forwards] in csrc/torchdp/replicate.h).)doc");
   m.def("all_on_device", torch::wrap_pybind_function(all_on_device), py::arg("module"),
         py::arg("device"),
         R"doc(True when every parameter and buffer of `module` (as module.parameters() and

@@ -107,7 +107,8 @@ void DataParallelImpl::ensure_placement() {
               "DataParallelOptions().place_module(true) to let it move the module itself");
 }
 
-std::vector<at::Tensor> DataParallelImpl::run(std::vector<at::Tensor> inputs, const Call& call) {
+std::vector<at::Tensor> DataParallelImpl::run(std::vector<at::Tensor> inputs, const Call& call,
+                                              std::optional<BufferSnapshot>* buffers) {
   for (const auto i : c10::irange(inputs.size())) {
     TORCH_CHECK(inputs[i].defined(), kApi, ": forward argument ", i, " is an undefined tensor");
   }
@@ -159,17 +160,25 @@ std::vector<at::Tensor> DataParallelImpl::run(std::vector<at::Tensor> inputs, co
   if (options.bucket_cap_mb()) {
     bucket_size.emplace(autograd::bucket_bytes_from_mib(*options.bucket_cap_mb(), kApi));
   }
-  auto replicas = replicator_->replicate(used, /*detach=*/!c10::GradMode::is_enabled());
+  std::optional<BufferSnapshot> local;
+  auto& snapshot = buffers != nullptr ? *buffers : local;
+  snapshot.emplace(module_->buffers());
   std::vector<at::Tensor> outputs(n);
-  parallel_run(n, used, [&](size_t i) {
-    auto replica = wrap_(replicas[i]);
-    std::vector<at::Tensor> args;
-    args.reserve(chunks.size());
-    for (auto& c : chunks) {
-      args.push_back(c[i]);
-    }
-    outputs[i] = call(replica, args);
-  });
+  try {
+    auto replicas = replicator_->replicate(used, /*detach=*/!c10::GradMode::is_enabled());
+    parallel_run(n, used, [&](size_t i) {
+      auto replica = wrap_(replicas[i]);
+      std::vector<at::Tensor> args;
+      args.reserve(chunks.size());
+      for (auto& c : chunks) {
+        args.push_back(c[i]);
+      }
+      outputs[i] = call(replica, args);
+    });
+  } catch (...) {
+    snapshot->restore();
+    throw;
+  }
   return outputs;
 }
 
@@ -189,14 +198,22 @@ int64_t DataParallelImpl::graph_captures() const {
   return graphed_ ? graphed_->captures_made() : 0;
 }
 
-at::Tensor DataParallelImpl::join(std::vector<at::Tensor> outputs) const {
+at::Tensor DataParallelImpl::join(std::vector<at::Tensor> outputs,
+                                  std::optional<BufferSnapshot>& buffers) const {
   if (device_ids_.empty()) { // passthrough: where the module put it
     return std::move(outputs.front());
   }
   if (device_ids_.size() == 1) { // one device: no gather, only the move to output_device
     return outputs.front().to(*output_device_);
   }
-  return autograd::gather(outputs, *output_device_, options.dim());
+  try {
+    return autograd::gather(outputs, *output_device_, options.dim());
+  } catch (...) {
+    if (buffers) {
+      buffers->restore();
+    }
+    throw;
+  }
 }
 
 at::Tensor parallel_loss(

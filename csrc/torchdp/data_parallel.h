@@ -87,8 +87,9 @@ class DataParallelImpl : public torch::nn::Module {
                   "torchdp::DataParallel::forward needs at least one tensor");
     static_assert((std::is_convertible_v<Tensors, at::Tensor> && ...),
                   "torchdp::DataParallel::forward takes tensor arguments only");
-    auto outputs = run({at::Tensor(inputs)...}, make_call<Tensors...>());
-    return join(std::move(outputs));
+    std::optional<BufferSnapshot> buffers; // Note [Buffers of failed forwards]
+    auto outputs = run({at::Tensor(inputs)...}, make_call<Tensors...>(), &buffers);
+    return join(std::move(outputs), buffers);
   }
 
   /// The same forward without the gather: one output per replica, each on its replica's device
@@ -160,12 +161,16 @@ class DataParallelImpl : public torch::nn::Module {
   void ensure_placement();
   // The per-replica outputs (one when passing through or on one device, already on
   // output_device then).
-  std::vector<at::Tensor> run(std::vector<at::Tensor> inputs, const Call& call);
+  // A replicated forward first copies the module's buffers into `buffers` (a local one when null)
+  // and writes them back when it fails (Note [Buffers of failed forwards]).
+  std::vector<at::Tensor> run(std::vector<at::Tensor> inputs, const Call& call,
+                              std::optional<BufferSnapshot>* buffers = nullptr);
   // run() through the graphed replicas (empty when this forward runs eagerly).
   std::vector<at::Tensor> run_graphed(const std::vector<std::vector<at::Tensor>>& chunks,
                                       const Call& call);
-  // The gathered output of run()'s outputs.
-  at::Tensor join(std::vector<at::Tensor> outputs) const;
+  // The gathered output of run()'s outputs; when the gather fails, run()'s buffer copy is written
+  // back.
+  at::Tensor join(std::vector<at::Tensor> outputs, std::optional<BufferSnapshot>& buffers) const;
 
   std::shared_ptr<torch::nn::Module> module_;
   torch::nn::AnyModule any_;
@@ -228,9 +233,15 @@ at::Tensor data_parallel(ModuleType module, at::Tensor input,
       -input.dim(), ", ", input.dim() - 1, "], the dimension the batch is split along");
   auto chunks = autograd::scatter(input, used, std::nullopt, dim);
   used.resize(chunks.size(), used.front());
-  auto replicas = replicate(module, used);
-  auto outputs = parallel_apply(replicas, chunks, used);
-  return autograd::gather(outputs, out_device, dim);
+  BufferSnapshot buffers(module->buffers()); // Note [Buffers of failed forwards]
+  try {
+    auto replicas = replicate(module, used);
+    auto outputs = parallel_apply(replicas, chunks, used);
+    return autograd::gather(outputs, out_device, dim);
+  } catch (...) {
+    buffers.restore();
+    throw;
+  }
 }
 
 } // namespace torchdp

@@ -5,6 +5,7 @@
 #include <torchdp/replicate.h>
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/MemoryOverlap.h>
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
 #include <c10/util/irange.h>
@@ -504,6 +505,50 @@ void clear_replica_cache() {
     dropped.swap(cache.entries);
   }
   // Destroyed here, outside the lock (a skeleton's destructor may run arbitrary module code).
+}
+
+BufferSnapshot::BufferSnapshot(const std::vector<at::Tensor>& tensors) {
+  at::NoGradGuard no_grad;
+  std::unordered_set<const c10::TensorImpl*> seen;
+  // One flat copy per (device, dtype), in first-seen order.
+  std::vector<std::vector<at::Tensor>> groups;
+  std::vector<std::pair<c10::Device, c10::ScalarType>> keys;
+  std::vector<int64_t> filled;
+  for (const auto& t : tensors) {
+    // Tensors whose elements overlap (expanded ones) cannot be written in place, so no forward
+    // changed them.
+    if (!t.defined() || t.is_meta() || at::has_internal_overlap(t) == at::MemOverlap::Yes ||
+        !seen.insert(t.unsafeGetTensorImpl()).second) {
+      continue;
+    }
+    size_t g = 0;
+    while (g < keys.size() && keys[g] != std::make_pair(t.device(), t.scalar_type())) {
+      ++g;
+    }
+    if (g == keys.size()) {
+      keys.emplace_back(t.device(), t.scalar_type());
+      groups.emplace_back();
+      filled.push_back(0);
+    }
+    places_.emplace_back(g, filled[g]);
+    filled[g] += t.numel();
+    groups[g].push_back(t.reshape(-1));
+    tensors_.push_back(t);
+  }
+  flats_.reserve(groups.size());
+  for (const auto& group : groups) {
+    flats_.push_back(at::cat(group));
+  }
+}
+
+size_t BufferSnapshot::restore() {
+  at::NoGradGuard no_grad;
+  for (const auto i : c10::irange(tensors_.size())) {
+    auto& t = tensors_[i];
+    const auto& [g, offset] = places_[i];
+    t.copy_(flats_[g].narrow(0, offset, t.numel()).view(t.sizes()));
+  }
+  return tensors_.size();
 }
 
 } // namespace torchdp

@@ -102,6 +102,39 @@ std::vector<torch::nn::ModuleHolder<ModuleType>> replicate(
   return std::vector<torch::nn::ModuleHolder<ModuleType>>(ptrs.begin(), ptrs.end());
 }
 
+// Note [Buffers of failed forwards]
+// The replica on devices[0] shares storage and version counter with the original, so a forward
+// that updates a buffer in place there (BatchNorm's running statistics, spectral norm's vectors, a
+// counter) updates the original. When the forward then fails on another replica (a chunk too
+// small for BatchNorm, out of memory on one device, a shape error), the original would be left
+// with one replica's update of a step that never happened. DataParallel and data_parallel (C++ and
+// Python) therefore copy the original's buffers before replicating and, when the forward, the
+// replication's hooks or the gather fail, copy all of them back. Version counters cannot tell which
+// changed: BatchNorm's kernels update the running statistics without bumping them. The copy is one
+// concatenation per device and dtype (a few hundred kilobytes for ResNet-50's BatchNorm
+// statistics). Parameters are not copied: changing them in place inside a forward is rare and
+// copying them every step would cost a model's worth of memory traffic.
+
+/// A copy of some tensors that can be written back into them. Undefined and meta tensors (no data)
+/// and tensors whose elements overlap (expanded ones: no in-place write can change them) are
+/// skipped, and a tensor listed twice is copied once. See Note [Buffers of failed forwards].
+class BufferSnapshot {
+ public:
+  explicit BufferSnapshot(const std::vector<at::Tensor>& tensors);
+  /// Writes the copy back into the tensors; returns how many.
+  size_t restore();
+  /// How many tensors the snapshot holds.
+  size_t size() const {
+    return tensors_.size();
+  }
+
+ private:
+  std::vector<at::Tensor> tensors_;
+  // Per tensor: which flat copy holds it and where.
+  std::vector<std::pair<size_t, int64_t>> places_;
+  std::vector<at::Tensor> flats_;
+};
+
 namespace detail {
 /// Moves every registered parameter and buffer of `module` (recursively) to `device` in place, as
 /// module->to(device) does, but also between backends whose tensors Tensor::set_data() refuses to

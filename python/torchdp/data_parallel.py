@@ -440,16 +440,26 @@ class DataParallel(_TorchDataParallel[T]):
                     output = self.module(*inputs[0], **module_kwargs[0])
                     return output if self.gather_output else [output]
                 _check_kwargs_chunks(inputs, module_kwargs, self.dim)
-                replicas = self.replicate(self.module, self.device_ids[: len(inputs)])
+                # Note [Buffers of failed forwards]: replica 0 updates the module's buffers in
+                # place; a failure anywhere from here to the gather writes them back.
+                buffers = _C.snapshot_buffers(self.module)
                 try:
-                    outputs = self.parallel_apply(replicas, inputs, module_kwargs)
-                finally:
-                    # Note [Kept replicas]: taken back only when nothing holds them (after a
-                    # failure the traceback does, and they are dropped at once).
-                    del replicas
-                    cache = _weak_entry(_REPLICA_CACHES, self, None)
-                    if cache is not None:
-                        cache.park()
+                    replicas = self.replicate(self.module, self.device_ids[: len(inputs)])
+                    try:
+                        outputs = self.parallel_apply(replicas, inputs, module_kwargs)
+                    finally:
+                        # Note [Kept replicas]: taken back only when nothing holds them (after a
+                        # failure the traceback does, and they are dropped at once).
+                        del replicas
+                        cache = _weak_entry(_REPLICA_CACHES, self, None)
+                        if cache is not None:
+                            cache.park()
+                    if not self.gather_output:
+                        return list(outputs)
+                    return self.gather(outputs, self.output_device)
+                except BaseException:
+                    buffers.restore()
+                    raise
             if not self.gather_output:
                 return list(outputs)
             return self.gather(outputs, self.output_device)
@@ -652,21 +662,26 @@ def data_parallel(
         return module(*scattered[0], **scattered_kwargs[0])
     _check_kwargs_chunks(scattered, scattered_kwargs, dim)
     used = used_ids[: len(scattered)]
-    cache = None
-    if cache_replicas:
-        cache = _weak_entry(_FUNCTIONAL_CACHES, module, _C.ReplicaCache)
-        replicas = _replicate(
-            module, used, False, None, stale_attributes, cache, "torchdp.replicate"
-        )
-    elif stale_attributes is None:  # the call PyTorch makes
-        replicas = replicate(module, used)
-    else:
-        replicas = replicate(module, used, stale_attributes=stale_attributes)
-    serial = _first_compiled_call(module, scattered, scattered_kwargs)
+    buffers = _C.snapshot_buffers(module)  # Note [Buffers of failed forwards]
     try:
-        outputs = parallel_apply(replicas, scattered, scattered_kwargs, used, serial=serial)
-    finally:
-        del replicas
-        if cache is not None:
-            cache.park()  # Note [Kept replicas]
-    return gather(outputs, target, dim)
+        cache = None
+        if cache_replicas:
+            cache = _weak_entry(_FUNCTIONAL_CACHES, module, _C.ReplicaCache)
+            replicas = _replicate(
+                module, used, False, None, stale_attributes, cache, "torchdp.replicate"
+            )
+        elif stale_attributes is None:  # the call PyTorch makes
+            replicas = replicate(module, used)
+        else:
+            replicas = replicate(module, used, stale_attributes=stale_attributes)
+        serial = _first_compiled_call(module, scattered, scattered_kwargs)
+        try:
+            outputs = parallel_apply(replicas, scattered, scattered_kwargs, used, serial=serial)
+        finally:
+            del replicas
+            if cache is not None:
+                cache.park()  # Note [Kept replicas]
+        return gather(outputs, target, dim)
+    except BaseException:
+        buffers.restore()
+        raise

@@ -484,3 +484,81 @@ TEST_CASE("a bad TORCHDP_GRAD_* variable fails when the DataParallel is made",
   TORCHDP_CHECK_THROWS_WITH(torchdp::DataParallel(net, on(cpu_devices(2)).bucket_cap_mb(5.0)),
                             "TORCHDP_GRAD_DELIVERY must be 'join'", "'eager'");
 }
+
+// BatchNorm (running statistics updated in place on replica 0, which shares the original's
+// tensors), an in-place counter, and a failure on demand in the replica whose chunk starts with 99.
+struct CountsAndFailsImpl : torch::nn::Cloneable<CountsAndFailsImpl> {
+  CountsAndFailsImpl() {
+    reset();
+  }
+  void reset() override {
+    bn = register_module("bn", torch::nn::BatchNorm1d(3));
+    calls = register_buffer("calls", torch::zeros({}, torch::kLong));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    calls.add_(1);
+    auto out = bn->forward(x);
+    if (x[0][0].item<float>() == 99.F) {
+      throw std::runtime_error("replica failure on demand");
+    }
+    return out;
+  }
+  torch::nn::BatchNorm1d bn{nullptr};
+  torch::Tensor calls;
+};
+TORCH_MODULE(CountsAndFails);
+
+namespace {
+std::vector<torch::Tensor> buffer_values(torch::nn::Module& module) {
+  std::vector<torch::Tensor> values;
+  for (const auto& b : module.buffers()) {
+    values.push_back(b.clone());
+  }
+  return values;
+}
+bool same_values(torch::nn::Module& module, const std::vector<torch::Tensor>& expected) {
+  const auto now = module.buffers();
+  bool same = now.size() == expected.size();
+  for (size_t i = 0; same && i < now.size(); ++i) {
+    same = torch::equal(now[i], expected[i]);
+  }
+  return same;
+}
+} // namespace
+
+TEST_CASE("a failed forward leaves the buffers as they were", "[cpu][data_parallel]") {
+  // Note [Buffers of failed forwards]
+  CountsAndFails net;
+  torchdp::DataParallel dp(net, on(cpu_devices(2)));
+  const bool functional = GENERATE(false, true);
+  auto run = [&](const torch::Tensor& x) {
+    return functional ? torchdp::data_parallel(net, x, cpu_devices(2)) : dp->forward(x);
+  };
+  run(torch::randn({4, 3}));
+  CHECK(net->calls.item<int64_t>() == 1);
+  const auto before = buffer_values(*net);
+  auto failing = torch::randn({4, 3});
+  failing[2][0] = 99; // replica 1's chunk
+  TORCHDP_CHECK_THROWS_WITH(run(failing), "replica failure on demand");
+  CHECK(same_values(*net, before));
+  // Replica 1 gets one row: BatchNorm refuses it after replica 0 updated the statistics.
+  TORCHDP_CHECK_THROWS_WITH(run(torch::randn({3, 3})), "Expected more than 1 value per channel");
+  CHECK(same_values(*net, before));
+  if (!functional) {
+    // A post-replicate hook that changes replica 0's buffer in place, then fails.
+    auto handle = torchdp::register_post_replicate_hook(
+        net, [](CountsAndFailsImpl& replica, const CountsAndFailsImpl&, c10::Device, int64_t index,
+                torchdp::ReplicaContext&) {
+          replica.calls.add_(100);
+          if (index == 1) {
+            throw std::runtime_error("hook failure");
+          }
+        });
+    TORCHDP_CHECK_THROWS_WITH(run(torch::randn({4, 3})), "hook failure");
+    handle.remove();
+    CHECK(same_values(*net, before));
+  }
+  run(torch::randn({4, 3}));
+  CHECK(net->calls.item<int64_t>() == 2);
+  CHECK(net->bn->num_batches_tracked.item<int64_t>() == 2);
+}

@@ -632,3 +632,114 @@ def test_in_place_ops_on_inputs_that_require_grad():
         dp_grad, a.grad = a.grad, None
         net(a * 2).pow(2).sum().backward()
         torch.testing.assert_close(dp_grad, a.grad)
+
+
+class CountsAndFails(nn.Module):
+    """BatchNorm (running statistics updated in place on replica 0, which shares the original's
+    tensors), an in-place counter, and a failure on demand in the replica whose chunk asks for it
+    (a marker value in its first element)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bn = nn.BatchNorm1d(3)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        self.calls += 1
+        out = self.bn(x)
+        if x[0, 0] == 99:
+            raise RuntimeError("replica failure on demand")
+        return out
+
+
+def _buffers_of(module):
+    return {k: v.clone() for k, v in module.state_dict().items()}
+
+
+def _assert_buffers_equal(module, expected):
+    for k, v in module.state_dict().items():
+        assert torch.equal(v, expected[k]), k
+
+
+FAILED_FORWARD_DEVICES = [
+    pytest.param("cpu,cpu", id="cpu"),
+    pytest.param("cuda:0,cuda:0", id="cuda0-twice", marks=pytest.mark.needs_cuda),
+    pytest.param("cuda:0,cuda:1", id="two-gpus", marks=pytest.mark.needs_multi_gpu),
+]
+
+
+@pytest.mark.parametrize("devices", FAILED_FORWARD_DEVICES)
+@pytest.mark.parametrize("form", ["module", "function"])
+def test_a_failed_forward_leaves_the_buffers_as_they_were(form, devices):
+    """Note [Buffers of failed forwards]: replica 0's in-place buffer updates are written back when
+    another replica, the gather or a hook fails; a forward that succeeds keeps them."""
+    devices = [torch.device(d) for d in devices.split(",")]
+    net = CountsAndFails().to(devices[0])
+    dp = torchdp.DataParallel(net, devices=devices)
+
+    def run(x):
+        x = x.to(devices[0])
+        if form == "module":
+            return dp(x)
+        return torchdp.data_parallel(net, x, devices=devices)
+
+    run(torch.randn(4, 3))  # a step that succeeds: updated
+    assert net.calls.item() == 1 and net.bn.num_batches_tracked.item() == 1
+    before = _buffers_of(net)
+    failing = torch.randn(4, 3)
+    failing[2, 0] = 99  # replica 1's chunk
+    with pytest.raises(RuntimeError, match="replica failure on demand"):
+        run(failing)
+    _assert_buffers_equal(net, before)
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
+        run(torch.randn(3, 3))  # replica 1 gets one row: BatchNorm refuses it
+    _assert_buffers_equal(net, before)
+
+    # A failure after the forwards: the gather of outputs that cannot be concatenated.
+    class Ragged(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = net
+
+        def forward(self, x):
+            out = self.inner(x)
+            return out if x.shape[0] == 2 else out[:, :2]
+
+    ragged = Ragged()
+    x = torch.randn(5, 3, device=devices[0])
+    with pytest.raises(RuntimeError, match="gather"):
+        if form == "module":
+            torchdp.DataParallel(ragged, devices=devices)(x)
+        else:
+            torchdp.data_parallel(ragged, x, devices=devices)
+    _assert_buffers_equal(net, before)
+
+    # A post-replicate hook that changes replica 0's buffer in place, then fails.
+    def bad_hook(replica, original, device, index, ctx):
+        replica.calls.add_(100)
+        if index == 1:
+            raise RuntimeError("hook failure")
+
+    with torchdp.register_post_replicate_hook(CountsAndFails, bad_hook):
+        with pytest.raises(RuntimeError, match="hook failure"):
+            run(torch.randn(4, 3))
+    _assert_buffers_equal(net, before)
+    run(torch.randn(4, 3))
+    assert net.calls.item() == 2 and net.bn.num_batches_tracked.item() == 2
+
+
+def test_buffer_snapshot():
+    a, b = torch.zeros(3), torch.arange(4).reshape(2, 2)
+    module = nn.Module()
+    module.register_buffer("a", a)
+    module.register_buffer("b", b)
+    module.register_buffer("same", a)  # one tensor registered twice: copied once
+    module.register_buffer("meta", torch.empty(2, device="meta"))  # no data: skipped
+    module.register_buffer("expanded", torch.arange(3).expand(2, 3))  # cannot be written: skipped
+    module.register_buffer("none", None)
+    snapshot = torchdp._C.snapshot_buffers(module)
+    assert len(snapshot) == 2
+    a.add_(1)
+    b.mul_(5)
+    assert snapshot.restore() == 2
+    assert torch.equal(a, torch.zeros(3)) and torch.equal(b, torch.arange(4).reshape(2, 2))
