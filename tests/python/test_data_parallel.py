@@ -720,9 +720,9 @@ def test_a_failed_forward_leaves_the_buffers_as_they_were(form, devices):
         if index == 1:
             raise RuntimeError("hook failure")
 
-    with torchdp.register_post_replicate_hook(CountsAndFails, bad_hook):
-        with pytest.raises(RuntimeError, match="hook failure"):
-            run(torch.randn(4, 3))
+    hook = torchdp.register_post_replicate_hook(CountsAndFails, bad_hook)
+    with hook, pytest.raises(RuntimeError, match="hook failure"):
+        run(torch.randn(4, 3))
     _assert_buffers_equal(net, before)
     run(torch.randn(4, 3))
     assert net.calls.item() == 2 and net.bn.num_batches_tracked.item() == 2
