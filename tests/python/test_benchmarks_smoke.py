@@ -259,3 +259,18 @@ def test_kept_replicas_probe_times_both_ways(tmp_path):
         assert r["steps"] == 3 and r["step_ms_median"] > 0 and r["gc_collections_per_step"] >= 0
     assert records[0]["modules"] == 401
     assert "mlp200: kept replicas save" in proc.stdout
+
+
+def test_buffer_snapshot_probe_times_the_copy(tmp_path):
+    out = tmp_path / "snapshot.json"
+    proc = _run_script(
+        "probe_buffer_snapshot.py", "--device", "cpu", "--calls", "5", "--out", str(out)
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    records = json.loads(out.read_text())["records"]
+    assert [r["model"] for r in records] == ["mlp200", "transformer", "resnet50"]
+    for r in records:
+        assert r["snapshot_cpu_us_count"] == 5 and r["snapshot_cpu_us_median"] > 0
+        assert r["replicate_cpu_us_median"] > 0 and r["snapshot_gpu_us"] is None
+    assert records[2]["buffers"] > 0 and records[2]["buffer_bytes"] > 0
+    assert "resnet50 on cpu" in proc.stdout
