@@ -19,12 +19,14 @@
 #             measured on one H200 on 2026-12-02, is left out: it takes minutes)
 #   kept      benchmarks/probe_kept_replicas.py over all GPUs, full-size models: training steps with
 #             kept replicas and with new ones at every step (cache_replicas), into results/
+#   snapshot  benchmarks/probe_buffer_snapshot.py on cuda:0 (the buffer copy of every replicated
+#             forward, Note [Buffers of failed forwards]), into results/
 #   test      make test (TORCHDP_REQUIRE_CUDA=1 with two GPUs or more)
 # Environment: OUT (required), BUDGET_S (seconds for the whole call, default 560),
 # TORCHDP_GIT_REV (pass it: the device tool's copy of the tree may carry an older .git, so the
 # default, git rev-parse --short HEAD, can name the wrong revision).
 set -u -o pipefail
-name=${1:?usage: gpu_call.sh <name> [priority|bench|probe|broadcast|phases|kept|test ...]}
+name=${1:?usage: gpu_call.sh <name> [priority|bench|probe|broadcast|phases|kept|snapshot|test ...]}
 shift
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(priority bench kept broadcast phases probe test)
@@ -111,11 +113,16 @@ for step in "${steps[@]}"; do
         --models mlp200,transformer,resnet50 --rounds 3 --steps 15 \
         --out "$logs/results/$name-kept-replicas.json" --plot "$logs/results/$name-kept-replicas.png"
       ;;
+    snapshot)
+      mkdir -p "$logs/results"
+      run probe-snapshot 30 env PYTHONPATH=python python benchmarks/probe_buffer_snapshot.py \
+        --device cuda:0 --out "$logs/results/$name-buffer-snapshot.json"
+      ;;
     test)
       run make-test 240 make test JOBS="$jobs"
       ;;
     *)
-      echo "unknown step '$step' (priority, bench, probe, broadcast, phases, kept, test)" |
+      echo "unknown step '$step' (priority, bench, probe, broadcast, phases, kept, snapshot, test)" |
         tee -a "$summary"
       ;;
   esac
