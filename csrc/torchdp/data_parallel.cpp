@@ -94,6 +94,13 @@ void DataParallelImpl::ensure_placement() {
     return;
   }
   if (options.place_module()) {
+    // Moving to meta drops the values, and LibTorch's clone() cannot build replicas from a module
+    // on meta: refuse before the move instead of failing after it.
+    TORCH_CHECK(!target.is_meta() || device_ids_.size() == 1, kApi,
+                ": place_module(true) would move the module to meta (device_ids[0]), which keeps "
+                "no values, and LibTorch's Cloneable::clone() cannot build replicas from a module "
+                "on meta. List a device with data first (device_ids {cpu, meta}), or call "
+                "torchdp::data_parallel, which copies a CPU module to meta devices");
     detail::move_module(*module_, target);
     return;
   }

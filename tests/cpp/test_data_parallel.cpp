@@ -210,6 +210,12 @@ TEST_CASE("a module left off device_ids[0] fails at the first forward, or is pla
                               "parameter 'fc1.weight'", "place_module(true)");
     CHECK(net->fc1->weight.device().is_cpu());
   }
+  SECTION("place_module refuses to move the module to meta, where no replica can be cloned") {
+    torchdp::DataParallel dp(net, on(devices).place_module(true));
+    TORCHDP_CHECK_THROWS_WITH(dp->forward(torch::randn({4, 6})), "torchdp::DataParallel",
+                              "place_module(true) would move the module to meta", "{cpu, meta}");
+    CHECK(net->fc1->weight.device().is_cpu());
+  }
   // place_module's move needs a real second backend: see test_cuda.cpp ("a CPU model wrapped for
   // GPUs"); LibTorch cannot clone modules whose tensors live on meta.
 }
