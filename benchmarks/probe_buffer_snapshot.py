@@ -3,9 +3,13 @@ forwards] in csrc/torchdp/replicate.h).
 
 ``torchdp.DataParallel`` and ``torchdp.data_parallel`` copy the module's buffers before they
 replicate it, so that a failed forward can write them back. This times that copy,
-``torchdp._C.snapshot_buffers(model)``, on bench_train_step's models: the CPU time of one call
-(the walk over the modules, the views and one concatenation per device and dtype) and, on a GPU,
-the time of the copy kernels, next to ``torchdp.replicate`` onto the same devices for scale.
+on bench_train_step's models, both ways it is made: the copy a DataParallel keeps from step to
+step and refreshes in place (``BufferSnapshot.take`` of the same buffers, one ``_foreach_copy_``
+per device and dtype: what the kept-replica cache does inside replicate, from the walk replicate
+makes anyway), and a new copy with its own walk (``torchdp._C.snapshot_buffers(model)``: the
+paths without a cache). CPU time per call, and for the refresh the wall time of many calls
+between CUDA events (the GPU's time only where the GPU, not the CPU, is the slower), next to
+``torchdp.replicate`` onto two replicas for scale.
 
     python benchmarks/probe_buffer_snapshot.py --device cuda:0 --out r.json
     python benchmarks/probe_buffer_snapshot.py --device cpu --models mlp200 --calls 50
@@ -61,11 +65,15 @@ def probe(name: str, device: torch.device, calls: int) -> dict[str, Any]:
     model = bench_train_step.build_model(name, device.type != "cuda").to(device)
     buffers = list(model.buffers())
     snapshot = lambda: torchdp._C.snapshot_buffers(model)
+    kept = torchdp._C.BufferSnapshot()
+    refresh = lambda: kept.take(buffers)
     replicate = lambda: torchdp.replicate(model, [device, device])
     for _ in range(5):
         snapshot()
+        refresh()
         replicate()
     snap = common.summarize(cpu_us(snapshot, calls, device), "snapshot_cpu_us")
+    kept_copy = common.summarize(cpu_us(refresh, calls, device), "refresh_cpu_us")
     rep = common.summarize(cpu_us(replicate, calls, device), "replicate_cpu_us")
     return {
         "model": name,
@@ -73,8 +81,9 @@ def probe(name: str, device: torch.device, calls: int) -> dict[str, Any]:
         "modules": sum(1 for _ in model.modules()),
         "buffers": len(buffers),
         "buffer_bytes": sum(b.numel() * b.element_size() for b in buffers),
-        "snapshot_gpu_us": gpu_us(snapshot, calls, device),
+        "refresh_gpu_us": gpu_us(refresh, calls, device),
         **snap,
+        **kept_copy,
         **rep,
     }
 
@@ -99,12 +108,12 @@ def main() -> None:
             print(f"{name}: skipped ({e})", flush=True)
             continue
         records.append(r)
-        gpu = r["snapshot_gpu_us"]
+        gpu = r["refresh_gpu_us"]
         print(
             f"{name} on {r['device']}: {r['buffers']} buffers, {r['buffer_bytes'] / 1024:.1f} KiB; "
-            f"snapshot CPU median {r['snapshot_cpu_us_median']:.1f} us (p90 "
-            f"{r['snapshot_cpu_us_p90']:.1f})"
-            + (f", GPU {gpu:.1f} us" if gpu is not None else "")
+            f"kept copy refreshed: CPU median {r['refresh_cpu_us_median']:.1f} us"
+            + (f" (events {gpu:.1f} us)" if gpu is not None else "")
+            + f"; new copy with its walk: CPU median {r['snapshot_cpu_us_median']:.1f} us"
             + f"; replicate onto two replicas: CPU median {r['replicate_cpu_us_median']:.1f} us",
             flush=True,
         )

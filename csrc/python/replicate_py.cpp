@@ -875,7 +875,9 @@ Replicas replicate(py::handle network, const std::vector<c10::Device>& devices_i
 // keeping them would hold a copy of the model on every other device between steps.
 class ReplicaCache {
  public:
-  // (copies, plain_only, reused), as torchdp._C.replicate's copies.
+  // (copies, plain_only, reused, buffers): copies as torchdp._C.replicate's; buffers, a copy of the
+  // network's buffers taken before anything of this call could change them (Note [Buffers of
+  // failed forwards]), refreshed in place from call to call unless a caller still holds it.
   py::tuple replicate(py::handle network, const std::vector<c10::Device>& devices_in, bool detach,
                       std::optional<int64_t> grad_bucket_bytes) {
     TORCH_CHECK_VALUE(!devices_in.empty(), kApi, ": ReplicaCache.replicate needs a device");
@@ -884,6 +886,15 @@ class ReplicaCache {
     phase.emplace("torchdp.replicate.walk");
     Source s;
     prepare(s, network, devices_in, detach);
+    if (!buffers_ || buffers_.use_count() > 1) {
+      buffers_ = std::make_shared<torchdp::BufferSnapshot>();
+    }
+    {
+      std::vector<at::Tensor> originals(s.plain_buffers);
+      originals.insert(originals.end(), s.rg_buffers.begin(), s.rg_buffers.end());
+      buffers_->take(originals);
+    }
+    const auto buffers = buffers_;
     // Taken out of the cache for this call: a concurrent call (the transfer releases the GIL)
     // finds it empty and builds its own.
     std::unique_ptr<State> state = std::move(state_);
@@ -935,7 +946,7 @@ class ReplicaCache {
     for (auto& list : copies) {
       out.append(std::move(list));
     }
-    return py::make_tuple(out, s.plain_only, reused);
+    return py::make_tuple(out, s.plain_only, reused, buffers);
   }
 
   // Takes the lent replicas back (Note [Kept replicas]); true when they are kept.
@@ -975,6 +986,7 @@ class ReplicaCache {
 
   void drop() {
     state_.reset();
+    buffers_.reset();
   }
 
   int64_t builds() const {
@@ -998,6 +1010,8 @@ class ReplicaCache {
     std::vector<std::vector<Py_ssize_t>> expected; // reference counts when lent (see park)
     bool parked = false;
   };
+  // Note [Buffers of failed forwards]: the copy of the network's buffers, kept for the next call.
+  std::shared_ptr<torchdp::BufferSnapshot> buffers_;
 
   // A refill takes everything from the network's walk of this call; the kept objects only need
   // the classes of the modules in their positions. So other module objects of the same classes
@@ -1233,8 +1247,9 @@ DataParallel (replicate_py.cpp, Note [Kept replicas]).)doc")
            }),
            py::arg("network"), py::arg("devices"), py::arg("detach") = false,
            py::arg("grad_bucket_bytes") = py::none(),
-           R"doc(As replicate(..., report=True), plus whether parked replicas were reused:
-(copies, plain_only, reused). The replicas are lent until park().)doc")
+           R"doc(As replicate(..., report=True), plus whether parked replicas were reused and a
+BufferSnapshot of the network's buffers taken before the transfer: (copies, plain_only, reused,
+buffers). The replicas are lent until park().)doc")
       .def("park", &ReplicaCache::park,
            R"doc(Takes the lent replicas back when nothing but the cache and the replicas refer to
 them (their dictionaries are then emptied); otherwise drops them from the cache. True when kept.)doc")
@@ -1253,9 +1268,18 @@ them (their dictionaries are then emptied); otherwise drops them from the cache.
       R"doc(Raises RuntimeError when a registered parameter or buffer of the replica rooted at copies[j][0]
 (walked from that root, so modules added by hooks count) is not on devices[j], naming its qualified
 name, its device and the expected device.)doc");
-  py::class_<torchdp::BufferSnapshot>(m, "BufferSnapshot",
-                                      R"doc(A copy of a module's buffers that can be
+  py::class_<torchdp::BufferSnapshot, std::shared_ptr<torchdp::BufferSnapshot>>(
+      m, "BufferSnapshot",
+      R"doc(A copy of a module's buffers that can be
 written back into them (Note [Buffers of failed forwards]).)doc")
+      .def(py::init<>())
+      .def("take",
+           torch::wrap_pybind_function(
+               [](torchdp::BufferSnapshot& self, const std::vector<at::Tensor>& tensors) {
+                 self.take(tensors);
+               }),
+           py::arg("tensors"),
+           "Copies `tensors`; the same tensors as last time refresh the copies in place.")
       .def("restore", torch::wrap_pybind_function([](torchdp::BufferSnapshot& self) {
              return self.restore();
            }),
@@ -1270,7 +1294,7 @@ written back into them (Note [Buffers of failed forwards]).)doc")
           for (auto b : buffers) {
             tensors.push_back(tensor_of(b, "buffer"));
           }
-          return torchdp::BufferSnapshot(tensors);
+          return std::make_shared<torchdp::BufferSnapshot>(tensors);
         }),
         py::arg("network"),
         R"doc(A BufferSnapshot of network.buffers(): DataParallel writes it back when a replicated

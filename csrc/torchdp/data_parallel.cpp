@@ -81,17 +81,18 @@ void DataParallelImpl::check_fixed_options() const {
   }
 }
 
-void DataParallelImpl::ensure_placement() {
+std::vector<at::Tensor> DataParallelImpl::ensure_placement() {
   const auto target = device_ids_.front();
   bool misplaced = false;
   for (const auto& t : module_->parameters()) {
     misplaced = misplaced || (t.defined() && detail::canonical(t.device()) != target);
   }
-  for (const auto& t : module_->buffers()) {
+  auto buffers = module_->buffers();
+  for (const auto& t : buffers) {
     misplaced = misplaced || (t.defined() && detail::canonical(t.device()) != target);
   }
   if (!misplaced) {
-    return;
+    return buffers;
   }
   if (options.place_module()) {
     // Moving to meta drops the values, and LibTorch's clone() cannot build replicas from a module
@@ -102,7 +103,7 @@ void DataParallelImpl::ensure_placement() {
                 "on meta. List a device with data first (device_ids {cpu, meta}), or call "
                 "torchdp::data_parallel, which copies a CPU module to meta devices");
     detail::move_module(*module_, target);
-    return;
+    return module_->buffers();
   }
   const auto bad = detail::find_misplaced(*module_, target);
   TORCH_CHECK(!bad, kApi, ": module must have its parameters and buffers on device ", target,
@@ -115,7 +116,7 @@ void DataParallelImpl::ensure_placement() {
 }
 
 std::vector<at::Tensor> DataParallelImpl::run(std::vector<at::Tensor> inputs, const Call& call,
-                                              std::optional<BufferSnapshot>* buffers) {
+                                              std::shared_ptr<BufferSnapshot>* buffers) {
   for (const auto i : c10::irange(inputs.size())) {
     TORCH_CHECK(inputs[i].defined(), kApi, ": forward argument ", i, " is an undefined tensor");
   }
@@ -123,7 +124,7 @@ std::vector<at::Tensor> DataParallelImpl::run(std::vector<at::Tensor> inputs, co
   if (device_ids_.empty()) {
     return {call(any_, inputs)};
   }
-  ensure_placement();
+  const auto originals = ensure_placement();
   const auto dim = options.dim();
   if (device_ids_.size() == 1) {
     for (auto& x : inputs) {
@@ -167,9 +168,16 @@ std::vector<at::Tensor> DataParallelImpl::run(std::vector<at::Tensor> inputs, co
   if (options.bucket_cap_mb()) {
     bucket_size.emplace(autograd::bucket_bytes_from_mib(*options.bucket_cap_mb(), kApi));
   }
-  std::optional<BufferSnapshot> local;
-  auto& snapshot = buffers != nullptr ? *buffers : local;
-  snapshot.emplace(module_->buffers());
+  // Note [Buffers of failed forwards]: the last forward's copy is refreshed in place unless
+  // someone still holds it.
+  if (!buffer_snapshot_ || buffer_snapshot_.use_count() > 1) {
+    buffer_snapshot_ = std::make_shared<BufferSnapshot>();
+  }
+  buffer_snapshot_->take(originals);
+  const auto snapshot = buffer_snapshot_;
+  if (buffers != nullptr) {
+    *buffers = snapshot;
+  }
   std::vector<at::Tensor> outputs(n);
   try {
     auto replicas = replicator_->replicate(used, /*detach=*/!c10::GradMode::is_enabled());
@@ -206,7 +214,7 @@ int64_t DataParallelImpl::graph_captures() const {
 }
 
 at::Tensor DataParallelImpl::join(std::vector<at::Tensor> outputs,
-                                  std::optional<BufferSnapshot>& buffers) const {
+                                  const std::shared_ptr<BufferSnapshot>& buffers) const {
   if (device_ids_.empty()) { // passthrough: where the module put it
     return std::move(outputs.front());
   }

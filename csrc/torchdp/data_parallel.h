@@ -87,7 +87,7 @@ class DataParallelImpl : public torch::nn::Module {
                   "torchdp::DataParallel::forward needs at least one tensor");
     static_assert((std::is_convertible_v<Tensors, at::Tensor> && ...),
                   "torchdp::DataParallel::forward takes tensor arguments only");
-    std::optional<BufferSnapshot> buffers; // Note [Buffers of failed forwards]
+    std::shared_ptr<BufferSnapshot> buffers; // Note [Buffers of failed forwards]
     auto outputs = run({at::Tensor(inputs)...}, make_call<Tensors...>(), &buffers);
     return join(std::move(outputs), buffers);
   }
@@ -158,25 +158,30 @@ class DataParallelImpl : public torch::nn::Module {
   void init(std::shared_ptr<torch::nn::Module> module, Wrap wrap);
   // Fails when an option read at construction was changed since (see DataParallelOptions).
   void check_fixed_options() const;
-  void ensure_placement();
+  // Checks (or, with place_module, makes) that the module is on device_ids[0]; returns its
+  // buffers.
+  std::vector<at::Tensor> ensure_placement();
   // The per-replica outputs (one when passing through or on one device, already on
   // output_device then).
-  // A replicated forward first copies the module's buffers into `buffers` (a local one when null)
-  // and writes them back when it fails (Note [Buffers of failed forwards]).
+  // A replicated forward first copies the module's buffers and writes them back when it fails
+  // (Note [Buffers of failed forwards]); the copy is handed out through `buffers` when given.
   std::vector<at::Tensor> run(std::vector<at::Tensor> inputs, const Call& call,
-                              std::optional<BufferSnapshot>* buffers = nullptr);
+                              std::shared_ptr<BufferSnapshot>* buffers = nullptr);
   // run() through the graphed replicas (empty when this forward runs eagerly).
   std::vector<at::Tensor> run_graphed(const std::vector<std::vector<at::Tensor>>& chunks,
                                       const Call& call);
   // The gathered output of run()'s outputs; when the gather fails, run()'s buffer copy is written
   // back.
-  at::Tensor join(std::vector<at::Tensor> outputs, std::optional<BufferSnapshot>& buffers) const;
+  at::Tensor join(std::vector<at::Tensor> outputs,
+                  const std::shared_ptr<BufferSnapshot>& buffers) const;
 
   std::shared_ptr<torch::nn::Module> module_;
   torch::nn::AnyModule any_;
   Wrap wrap_;
   std::unique_ptr<Replicator> replicator_;
   std::shared_ptr<detail::GraphedReplicas> graphed_;
+  // The buffer copy of the last forward, refreshed in place by the next (run()).
+  std::shared_ptr<BufferSnapshot> buffer_snapshot_;
   std::vector<c10::Device> device_ids_;
   std::optional<c10::Device> output_device_;
   // The options read at construction, as given then (check_fixed_options).

@@ -507,13 +507,11 @@ void clear_replica_cache() {
   // Destroyed here, outside the lock (a skeleton's destructor may run arbitrary module code).
 }
 
-BufferSnapshot::BufferSnapshot(const std::vector<at::Tensor>& tensors) {
+void BufferSnapshot::take(const std::vector<at::Tensor>& tensors) {
   at::NoGradGuard no_grad;
   std::unordered_set<const c10::TensorImpl*> seen;
-  // One flat copy per (device, dtype), in first-seen order.
-  std::vector<std::vector<at::Tensor>> groups;
-  std::vector<std::pair<c10::Device, c10::ScalarType>> keys;
-  std::vector<int64_t> filled;
+  std::vector<at::Tensor> kept;
+  kept.reserve(tensors.size());
   for (const auto& t : tensors) {
     // Tensors whose elements overlap (expanded ones) cannot be written in place, so no forward
     // changed them.
@@ -521,32 +519,45 @@ BufferSnapshot::BufferSnapshot(const std::vector<at::Tensor>& tensors) {
         !seen.insert(t.unsafeGetTensorImpl()).second) {
       continue;
     }
-    size_t g = 0;
-    while (g < keys.size() && keys[g] != std::make_pair(t.device(), t.scalar_type())) {
-      ++g;
-    }
-    if (g == keys.size()) {
-      keys.emplace_back(t.device(), t.scalar_type());
-      groups.emplace_back();
-      filled.push_back(0);
-    }
-    places_.emplace_back(g, filled[g]);
-    filled[g] += t.numel();
-    groups[g].push_back(t.reshape(-1));
-    tensors_.push_back(t);
+    kept.push_back(t);
   }
-  flats_.reserve(groups.size());
-  for (const auto& group : groups) {
-    flats_.push_back(at::cat(group));
+  // The same tensors as at the last take (same objects, sizes, dtypes and devices): the copies
+  // are reused, and one _foreach_copy_ per device and dtype refreshes them.
+  bool same = kept.size() == tensors_.size();
+  for (size_t i = 0; same && i < kept.size(); ++i) {
+    const auto& a = kept[i];
+    const auto& b = tensors_[i];
+    same = a.unsafeGetTensorImpl() == b.unsafeGetTensorImpl() && a.sizes() == copies_[i].sizes() &&
+           a.scalar_type() == copies_[i].scalar_type() && a.device() == copies_[i].device();
+  }
+  if (!same) {
+    tensors_ = std::move(kept);
+    copies_.clear();
+    groups_.clear();
+    std::vector<std::pair<c10::Device, c10::ScalarType>> keys;
+    for (const auto& t : tensors_) {
+      copies_.push_back(at::empty(t.sizes(), t.options()));
+      size_t g = 0;
+      while (g < keys.size() && keys[g] != std::make_pair(t.device(), t.scalar_type())) {
+        ++g;
+      }
+      if (g == keys.size()) {
+        keys.emplace_back(t.device(), t.scalar_type());
+        groups_.emplace_back();
+      }
+      groups_[g].sources.push_back(t);
+      groups_[g].copies.push_back(copies_.back());
+    }
+  }
+  for (auto& group : groups_) {
+    at::_foreach_copy_(group.copies, group.sources);
   }
 }
 
 size_t BufferSnapshot::restore() {
   at::NoGradGuard no_grad;
-  for (const auto i : c10::irange(tensors_.size())) {
-    auto& t = tensors_[i];
-    const auto& [g, offset] = places_[i];
-    t.copy_(flats_[g].narrow(0, offset, t.numel()).view(t.sizes()));
+  for (auto& group : groups_) {
+    at::_foreach_copy_(group.sources, group.copies);
   }
   return tensors_.size();
 }

@@ -25,7 +25,14 @@ from torchdp import _C
 from torchdp._attributes import check_stale_attribute_policy
 from torchdp._graphs import MAX_SIGNATURES, GraphedReplicas
 from torchdp.parallel_apply import parallel_apply
-from torchdp.replicate import _bucket_bytes, _check_module, _replicate, replicate
+from torchdp.replicate import (
+    _bucket_bytes,
+    _buffer_snapshot,
+    _check_module,
+    _expect_buffer_snapshot,
+    _replicate,
+    replicate,
+)
 from torchdp.scatter_gather import (
     DeviceLike,
     _check_dim,
@@ -442,9 +449,13 @@ class DataParallel(_TorchDataParallel[T]):
                 _check_kwargs_chunks(inputs, module_kwargs, self.dim)
                 # Note [Buffers of failed forwards]: replica 0 updates the module's buffers in
                 # place; a failure anywhere from here to the gather writes them back.
-                buffers = _C.snapshot_buffers(self.module)
+                buffers = None
+                _expect_buffer_snapshot(self.module)
                 try:
-                    replicas = self.replicate(self.module, self.device_ids[: len(inputs)])
+                    try:
+                        replicas = self.replicate(self.module, self.device_ids[: len(inputs)])
+                    finally:
+                        buffers = _buffer_snapshot(self.module, fallback=True)
                     try:
                         outputs = self.parallel_apply(replicas, inputs, module_kwargs)
                     finally:
@@ -458,7 +469,8 @@ class DataParallel(_TorchDataParallel[T]):
                         return list(outputs)
                     return self.gather(outputs, self.output_device)
                 except BaseException:
-                    buffers.restore()
+                    if buffers is not None:
+                        buffers.restore()
                     raise
             if not self.gather_output:
                 return list(outputs)
@@ -662,18 +674,22 @@ def data_parallel(
         return module(*scattered[0], **scattered_kwargs[0])
     _check_kwargs_chunks(scattered, scattered_kwargs, dim)
     used = used_ids[: len(scattered)]
-    buffers = _C.snapshot_buffers(module)  # Note [Buffers of failed forwards]
+    buffers = None
+    _expect_buffer_snapshot(module)  # Note [Buffers of failed forwards]
     try:
         cache = None
-        if cache_replicas:
-            cache = _weak_entry(_FUNCTIONAL_CACHES, module, _C.ReplicaCache)
-            replicas = _replicate(
-                module, used, False, None, stale_attributes, cache, "torchdp.replicate"
-            )
-        elif stale_attributes is None:  # the call PyTorch makes
-            replicas = replicate(module, used)
-        else:
-            replicas = replicate(module, used, stale_attributes=stale_attributes)
+        try:
+            if cache_replicas:
+                cache = _weak_entry(_FUNCTIONAL_CACHES, module, _C.ReplicaCache)
+                replicas = _replicate(
+                    module, used, False, None, stale_attributes, cache, "torchdp.replicate"
+                )
+            elif stale_attributes is None:  # the call PyTorch makes
+                replicas = replicate(module, used)
+            else:
+                replicas = replicate(module, used, stale_attributes=stale_attributes)
+        finally:
+            buffers = _buffer_snapshot(module, fallback=True)
         serial = _first_compiled_call(module, scattered, scattered_kwargs)
         try:
             outputs = parallel_apply(replicas, scattered, scattered_kwargs, used, serial=serial)
@@ -683,5 +699,6 @@ def data_parallel(
                 cache.park()  # Note [Kept replicas]
         return gather(outputs, target, dim)
     except BaseException:
-        buffers.restore()
+        if buffers is not None:
+            buffers.restore()
         raise

@@ -26,7 +26,7 @@ runs, in order:
 from __future__ import annotations
 
 import math
-
+import threading
 from collections.abc import Sequence
 from typing import TypeVar, cast
 
@@ -198,6 +198,30 @@ def replicate(
     return _replicate(network, devices, bool(detach), bucket_cap_mb, stale_attributes, None, _API)
 
 
+# Note [Buffers of failed forwards] (csrc/torchdp/replicate.h): a forward of DataParallel or
+# data_parallel announces its module here before it replicates; the replicate call for that module
+# leaves the copy of the module's buffers it took (before any hook ran) for the forward to pick up.
+_FORWARD_BUFFERS = threading.local()
+
+
+def _expect_buffer_snapshot(network: nn.Module) -> None:
+    """Called by a forward before it replicates ``network`` (see _FORWARD_BUFFERS)."""
+    _FORWARD_BUFFERS.network = network
+    _FORWARD_BUFFERS.snapshot = None
+
+
+def _buffer_snapshot(network: nn.Module, fallback: bool) -> _C.BufferSnapshot | None:
+    """The copy of ``network``'s buffers that its replicate call left; when none did (a
+    ``replicate`` override that builds replicas its own way), a copy taken now if ``fallback``."""
+    snapshot = None
+    if getattr(_FORWARD_BUFFERS, "network", None) is network:
+        snapshot = _FORWARD_BUFFERS.snapshot
+    _FORWARD_BUFFERS.network = _FORWARD_BUFFERS.snapshot = None
+    if snapshot is None and fallback:
+        snapshot = _C.snapshot_buffers(network)
+    return snapshot
+
+
 def _replicate(
     network: T,
     devices: Sequence[DeviceLike],
@@ -215,10 +239,15 @@ def _replicate(
     device_list = _to_devices(devices, api)
     bucket_bytes = _bucket_bytes(bucket_cap_mb, api)
     copies: list[list[nn.Module]]
+    wanted = getattr(_FORWARD_BUFFERS, "network", None) is network
     if cache is None:
+        if wanted:
+            _FORWARD_BUFFERS.snapshot = _C.snapshot_buffers(network)
         copies, plain_only = _C.replicate(network, device_list, detach, bucket_bytes, report=True)
     else:
-        copies, plain_only, _ = cache.replicate(network, device_list, detach, bucket_bytes)
+        copies, plain_only, _, buffers = cache.replicate(network, device_list, detach, bucket_bytes)
+        if wanted:
+            _FORWARD_BUFFERS.snapshot = buffers
     try:
         hooked = _has_hooks() and _run_post_replicate_hooks(
             list(network.modules()), copies, device_list, network

@@ -376,7 +376,12 @@ TEST_CASE("options read at construction may not change afterwards; the others ma
     TORCHDP_CHECK_THROWS_WITH(dp->forward(x), "torchdp::DataParallel", "dim 5");
     dp->options.dim(1);
     const auto x3 = torch::randn({4, 5, 3});
-    CHECK(torch::allclose(dp->forward(x3), linear(x3)));
+    // Chunks along dim 1 are strided: the matrix product takes another path than on the whole
+    // batch, and its last bits may differ (the GPU machine's CPU once gave such a difference).
+    const auto out3 = dp->forward(x3);
+    const auto ref3 = linear(x3);
+    INFO("max abs difference " << (out3 - ref3).abs().max().item<float>());
+    CHECK(torch::allclose(out3, ref3, 1e-5, 1e-6));
     dp->options.dim(0).bucket_cap_mb(-1.0);
     TORCHDP_CHECK_THROWS_WITH(dp->forward(x), "bucket_cap_mb");
     dp->options.bucket_cap_mb(0.5);

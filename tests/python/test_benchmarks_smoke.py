@@ -271,6 +271,7 @@ def test_buffer_snapshot_probe_times_the_copy(tmp_path):
     assert [r["model"] for r in records] == ["mlp200", "transformer", "resnet50"]
     for r in records:
         assert r["snapshot_cpu_us_count"] == 5 and r["snapshot_cpu_us_median"] > 0
-        assert r["replicate_cpu_us_median"] > 0 and r["snapshot_gpu_us"] is None
+        assert r["replicate_cpu_us_median"] > 0 and r["refresh_gpu_us"] is None
+        assert r["refresh_cpu_us_count"] == 5 and r["refresh_cpu_us_median"] > 0
     assert records[2]["buffers"] > 0 and records[2]["buffer_bytes"] > 0
     assert "resnet50 on cpu" in proc.stdout

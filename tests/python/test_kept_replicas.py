@@ -438,22 +438,53 @@ def test_replica_cache_binding():
     net, _ = pair()
     cache = _C.ReplicaCache()
     assert (cache.state, cache.builds, cache.reuses) == ("empty", 0, 0)
-    copies, plain_only, reused = cache.replicate(net, cpu_devices(2))
+    copies, plain_only, reused, buffers = cache.replicate(net, cpu_devices(2))
     assert plain_only and not reused and cache.state == "lent"
     assert len(copies) == 2 and len(copies[1]) == len(list(net.modules()))
     assert not cache.park()  # `copies` still refers to them
     assert cache.state == "empty"
-    copies, _, _ = cache.replicate(net, cpu_devices(2))
+    copies, _, _, _ = cache.replicate(net, cpu_devices(2))
     first = [id(m) for m in copies[1]]
     del copies
     assert cache.park() and cache.state == "parked"
-    copies, _, reused = cache.replicate(net, cpu_devices(2))
+    copies, _, reused, _ = cache.replicate(net, cpu_devices(2))
     assert reused and [id(m) for m in copies[1]] == first
     assert copies[1][0].a is copies[1][1] and copies[1][0].scale == 1.0
     cache.drop()
     assert cache.state == "empty"
     with pytest.raises(ValueError, match="needs a device"):
         cache.replicate(net, [])
+
+
+def test_replica_cache_buffer_snapshots():
+    """Note [Buffers of failed forwards]: each call copies the network's buffers before anything
+    else happens; the copy is refreshed in place at the next call, or made anew while a caller
+    still holds the last one."""
+    net = nn.BatchNorm1d(3)
+    mean = net.running_mean
+    cache = _C.ReplicaCache()
+    first = cache.replicate(net, cpu_devices(2))[3]
+    assert len(first) == 3  # running_mean, running_var, num_batches_tracked
+    mean.fill_(1.0)
+    second = cache.replicate(net, cpu_devices(2))[3]  # `first` is still held: a new copy
+    mean.fill_(2.0)
+    first.restore()
+    assert torch.equal(mean, torch.zeros(3))
+    second.restore()
+    assert torch.equal(mean, torch.ones(3))
+    del first, second
+    for value in (3.0, 4.0):  # the kept copy, refreshed in place
+        mean.fill_(value)
+        third = cache.replicate(net, cpu_devices(2))[3]
+        mean.fill_(-1.0)
+        third.restore()
+        assert torch.equal(mean, torch.full((3,), value))
+        del third
+    net.running_mean = torch.full((3,), 5.0)  # another tensor: copied anew
+    fourth = cache.replicate(net, cpu_devices(2))[3]
+    net.running_mean.zero_()
+    fourth.restore()
+    assert torch.equal(net.running_mean, torch.full((3,), 5.0))
 
 
 class ConvBN(nn.Module):
