@@ -7,6 +7,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/MemoryOverlap.h>
 #include <c10/core/GradMode.h>
+#include <c10/core/InferenceMode.h>
 #include <c10/util/Exception.h>
 #include <c10/util/irange.h>
 #include <torch/csrc/autograd/variable.h>
@@ -531,6 +532,9 @@ void BufferSnapshot::take(const std::vector<at::Tensor>& tensors) {
            a.scalar_type() == copies_[i].scalar_type() && a.device() == copies_[i].device();
   }
   if (!same) {
+    // Normal tensors even when the first copy is taken under inference mode: the copies are
+    // refreshed in place by later forwards outside it.
+    const c10::InferenceMode normal_tensors(false);
     tensors_ = std::move(kept);
     copies_.clear();
     groups_.clear();

@@ -96,12 +96,16 @@ def _run_replication_callbacks(copies: list[list[nn.Module]]) -> bool:
         return False
     # One attribute lookup per class, not per module (hasattr on a missing class attribute is
     # slow, and models have hundreds of modules of a few classes).
+    # A callback set on an instance counts too (Synchronized-BatchNorm's loop uses hasattr on each
+    # module); a dictionary lookup per module finds those.
     with_callback = {
         cls for cls in {type(m) for m in copies[0]} if hasattr(cls, "__data_parallel_replicate__")
     }
-    if not with_callback:
-        return False
-    callbacks = [p for p, m in enumerate(copies[0]) if type(m) in with_callback]
+    callbacks = [
+        p
+        for p, m in enumerate(copies[0])
+        if type(m) in with_callback or "__data_parallel_replicate__" in getattr(m, "__dict__", ())
+    ]
     if not callbacks:
         return False
     contexts = {p: CallbackContext() for p in callbacks}
@@ -240,14 +244,17 @@ def _replicate(
     bucket_bytes = _bucket_bytes(bucket_cap_mb, api)
     copies: list[list[nn.Module]]
     wanted = getattr(_FORWARD_BUFFERS, "network", None) is network
+    # Hooks and callbacks may change replica 0's buffers in place, which are the network's: a
+    # failing one leaves them as they were (Note [Buffers of failed forwards]).
+    buffers = None
     if cache is None:
-        if wanted:
-            _FORWARD_BUFFERS.snapshot = _C.snapshot_buffers(network)
+        if wanted or _has_hooks():
+            buffers = _C.snapshot_buffers(network)
         copies, plain_only = _C.replicate(network, device_list, detach, bucket_bytes, report=True)
     else:
         copies, plain_only, _, buffers = cache.replicate(network, device_list, detach, bucket_bytes)
-        if wanted:
-            _FORWARD_BUFFERS.snapshot = buffers
+    if wanted:
+        _FORWARD_BUFFERS.snapshot = buffers
     try:
         hooked = _has_hooks() and _run_post_replicate_hooks(
             list(network.modules()), copies, device_list, network
@@ -265,5 +272,7 @@ def _replicate(
     except BaseException:
         if cache is not None:
             cache.drop()  # half-prepared replicas are never kept (nor their copies held)
+        if buffers is not None:
+            buffers.restore()
         raise
     return [cast(T, copies[j][0]) for j in range(len(device_list))]

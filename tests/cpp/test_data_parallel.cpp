@@ -573,3 +573,17 @@ TEST_CASE("a failed forward leaves the buffers as they were", "[cpu][data_parall
   CHECK(net->calls.item<int64_t>() == 2);
   CHECK(net->bn->num_batches_tracked.item<int64_t>() == 2);
 }
+
+TEST_CASE("a first forward under inference mode, then training", "[cpu][data_parallel]") {
+  // The kept buffer copy is made of normal tensors, which later forwards refresh in place.
+  CountsAndFails net;
+  torchdp::DataParallel dp(net, on(cpu_devices(2)));
+  {
+    const c10::InferenceMode inference;
+    dp->forward(torch::randn({4, 3}));
+  }
+  for (int step = 0; step < 2; ++step) {
+    dp->forward(torch::randn({4, 3})).sum().backward();
+  }
+  CHECK(net->calls.item<int64_t>() == 3);
+}

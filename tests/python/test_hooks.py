@@ -180,6 +180,24 @@ def test_failing_hook_names_hook_module_and_replica():
     assert isinstance(info.value.__cause__, KeyError)
 
 
+def test_a_failing_hook_leaves_the_original_buffers_as_they_were():
+    """Replica 0's buffers are the original's: a hook that changed one in place before another
+    hook failed is undone (Note [Buffers of failed forwards])."""
+
+    def hook(replica, original, device, index, ctx):
+        if index == 0:
+            replica.running_mean.add_(5.0)
+        else:
+            raise ValueError("no state for this device")
+
+    net = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
+    before = net[1].running_mean.clone()
+    hook_handle = torchdp.register_post_replicate_hook(nn.BatchNorm1d, hook)
+    with hook_handle, pytest.raises(RuntimeError, match="no state for this device"):
+        torchdp.replicate(net, cpu_devices(2))
+    assert torch.equal(net[1].running_mean, before)
+
+
 def test_failing_hook_on_root_and_in_data_parallel():
     def hook(replica, original, device, index, ctx):
         raise ValueError("bad")

@@ -456,6 +456,25 @@ def test_replica_cache_binding():
         cache.replicate(net, [])
 
 
+def test_inference_mode_first_then_training():
+    """The kept buffer copy is made of normal tensors even when the first forward runs under
+    inference mode (a validation pass before training), so later forwards can refresh it."""
+    for functional in (False, True):
+        net = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
+        dp = torchdp.DataParallel(net, devices=cpu_devices(2))
+
+        def run(x, net=net, dp=dp, functional=functional):
+            return torchdp.data_parallel(net, x, devices=cpu_devices(2)) if functional else dp(x)
+
+        net.eval()
+        with torch.inference_mode():
+            run(torch.randn(6, 3))
+        net.train()
+        for _ in range(2):
+            run(torch.randn(6, 3)).sum().backward()
+        assert net[1].num_batches_tracked.item() == 2
+
+
 def test_replica_cache_buffer_snapshots():
     """Note [Buffers of failed forwards]: each call copies the network's buffers before anything
     else happens; the copy is refreshed in place at the next call, or made anew while a caller

@@ -284,6 +284,18 @@ def test_data_parallel_replicate_callbacks(n):
     assert not hasattr(first, "master")
 
 
+def test_replicate_callbacks_set_on_an_instance_run_too():
+    """Synchronized-BatchNorm's loop asks hasattr of each module: a callback set on an instance
+    counts (it is copied into every replica's __dict__)."""
+    calls: list = []
+    net = nn.Sequential(nn.Linear(3, 3), nn.ReLU())
+    net[0].__data_parallel_replicate__ = lambda ctx, copy_id: calls.append(copy_id)
+    torchdp.replicate(net, cpu_devices(2))
+    assert calls == [0, 1]
+    torchdp.DataParallel(net, devices=cpu_devices(3))(torch.randn(6, 3))
+    assert calls == [0, 1, 0, 1, 2]
+
+
 def test_data_parallel_replicate_callbacks_run_in_data_parallel_forward():
     log: list = []
     net = nn.Sequential(_SyncLike("only", log))
