@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from torchdp import _C
 from torchdp.parallel_apply import get_a_var
@@ -40,11 +41,15 @@ class DataParallelCriterion(nn.Module):
     weights, ...) is replicated there first. The per-replica losses are combined on
     :attr:`output_device`:
 
-    * ``"mean"``: the average weighted by the number of samples of each chunk (the batch mean
-      when every sample weighs the same in the criterion; with ``ignore_index`` or class weights
-      the replicas' means are still weighted by samples, not by their total weight); ``"batchmean"``
-      (``nn.KLDivLoss``) is combined the same way, which gives the whole batch's value; an empty
-      batch gives NaN, as the criterion does;
+    * ``"mean"``: the whole batch's mean. For ``nn.CrossEntropyLoss`` and ``nn.NLLLoss`` with
+      class-index targets, whose mean divides by the targets' total class weight (targets equal
+      to ``ignore_index`` weigh nothing), each replica computes its weighted sum and its total
+      weight, and the result is the sum of the first over the sum of the second (a replica whose
+      targets are all ignored adds nothing). Any other criterion's means are averaged weighted
+      by the number of samples of each chunk (counted on the first target tensor, positional or
+      keyword, else on the output), which is the batch mean when every sample weighs the same
+      in it; ``"batchmean"`` (``nn.KLDivLoss``) is combined the same way, which gives the whole
+      batch's value. An empty batch gives NaN, as the criterion does;
     * ``"sum"``: the sum;
     * ``"none"``: the per-sample losses concatenated along :attr:`dim`.
 
@@ -137,12 +142,25 @@ class DataParallelCriterion(nn.Module):
             devices.append(t.device)
         n = len(outputs)
         if targets or kwargs:
+            named = [(f"target {i}", t) for i, t in enumerate(targets)]
+            named += [(f"keyword target {k!r}", t) for k, t in kwargs.items()]
+            for name, t in named:
+                if isinstance(t, torch.Tensor) and t.dim() == 0:
+                    raise ValueError(
+                        f"{_API}: {name} is a 0-dim tensor, which cannot be split among the "
+                        "replicas; pass a Python number (given to every replica as it is) or a "
+                        f"tensor with one entry per sample along dim {self.dim}"
+                    )
             split_targets, split_kwargs = scatter_kwargs(targets, kwargs, devices, self.dim)
             if len(split_targets) != n:
-                sizes = [t.shape[self.dim] for t in targets if isinstance(t, torch.Tensor)][:1]
+                sizes = ", ".join(
+                    f"{name}: {t.shape[self.dim]}"
+                    for name, t in named
+                    if isinstance(t, torch.Tensor) and t.dim() > self.dim
+                )
                 raise ValueError(
                     f"{_API}: the targets split into {len(split_targets)} chunks along dim "
-                    f"{self.dim} (batch size {sizes[0] if sizes else '?'}), but there are {n} "
+                    f"{self.dim} (sizes along it: {sizes or '?'}), but there are {n} "
                     "outputs; pass targets with the same batch size as the inputs"
                 )
             if self.check_targets:
@@ -150,17 +168,27 @@ class DataParallelCriterion(nn.Module):
         else:
             split_targets, split_kwargs = ((),) * n, ({},) * n
         criteria = self._criteria(devices)
+        destination = self.output_device if self.output_device is not None else devices[0]
+        weighted = self.reduction == "mean" and all(
+            _weighted_mean_applies(crit, out, tgt, kw)
+            for crit, out, tgt, kw in zip(criteria, outputs, split_targets, split_kwargs)
+        )
         losses = []
         for crit, out, tgt, kw, device in zip(
             criteria, outputs, split_targets, split_kwargs, devices, strict=True
         ):
             with torch.autograd.profiler.record_function("DataParallelCriterion.replica"):
+                compute = _weighted_sum if weighted else (lambda c, o, t, k: c(o, *t, **k))
                 if device.type == "cuda":
                     with torch.cuda.device(device):
-                        losses.append(crit(out, *tgt, **kw))
+                        losses.append(compute(crit, out, tgt, kw))
                 else:
-                    losses.append(crit(out, *tgt, **kw))
-        destination = self.output_device if self.output_device is not None else devices[0]
+                    losses.append(compute(crit, out, tgt, kw))
+        if weighted:
+            # The whole batch's weighted mean: the replicas' weighted sums over their weights.
+            total = torch.stack([loss.to(destination) for loss, _ in losses]).sum()
+            weight = torch.stack([w.to(destination) for _, w in losses]).sum()
+            return total / weight
         if self.reduction == "none":
             return gather(losses, destination, dim=self.dim)
         for i, loss in enumerate(losses):
@@ -174,7 +202,10 @@ class DataParallelCriterion(nn.Module):
         moved = [loss.to(destination) for loss in losses]
         if self.reduction == "sum":
             return torch.stack(moved).sum()
-        counts = [_batch_size(tgt, out, self.dim) for tgt, out in zip(split_targets, outputs)]
+        counts = [
+            _batch_size(tgt, kw, out, self.dim)
+            for tgt, kw, out in zip(split_targets, split_kwargs, outputs, strict=True)
+        ]
         total = float(sum(counts))
         # Python-scalar weights: no host-to-device copy, which would wait for the GPU every step.
         # An empty batch: every replica's loss is the criterion's value for no samples (NaN).
@@ -213,9 +244,52 @@ def _size_along(output: Any, dim: int) -> int | None:
     return None if t is None or t.dim() <= dim else int(t.shape[dim])
 
 
-def _batch_size(targets: tuple[Any, ...], output: Any, dim: int) -> int:
-    """The number of samples of one chunk: from its first target tensor, else its output."""
+def _weighted_mean_applies(crit: Any, output: Any, targets: tuple[Any, ...], kwargs: Any) -> bool:
+    """nn.CrossEntropyLoss and nn.NLLLoss with class-index targets: their "mean" divides by the
+    targets' total class weight (ignore_index counting none), not by the number of samples, so
+    the replicas' means cannot be combined by chunk size (with class weights or ignored targets
+    that gives another value, and a chunk with every target ignored gives NaN)."""
+    if type(crit) not in (nn.CrossEntropyLoss, nn.NLLLoss) or crit.reduction != "mean":
+        return False
+    if kwargs or len(targets) != 1 or not isinstance(output, torch.Tensor):
+        return False
+    t = targets[0]
+    return isinstance(t, torch.Tensor) and not (t.is_floating_point() or t.is_complex())
+
+
+def _weighted_sum(
+    crit: Any, output: torch.Tensor, targets: tuple[Any, ...], kwargs: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the sum of one replica's weighted losses, the sum of their weights), for the criteria of
+    _weighted_mean_applies; the whole batch's mean is the sum of the first over the second."""
+    (t,) = targets
+    if type(crit) is nn.CrossEntropyLoss:
+        total = F.cross_entropy(
+            output,
+            t,
+            weight=crit.weight,
+            ignore_index=crit.ignore_index,
+            reduction="sum",
+            label_smoothing=crit.label_smoothing,
+        )
+    else:
+        total = F.nll_loss(
+            output, t, weight=crit.weight, ignore_index=crit.ignore_index, reduction="sum"
+        )
+    valid = t != crit.ignore_index
+    if crit.weight is None:
+        weight = valid.sum().to(total.dtype)
+    else:
+        weight = (crit.weight[torch.where(valid, t, 0)] * valid).sum().to(total.dtype)
+    return total, weight
+
+
+def _batch_size(targets: tuple[Any, ...], kwargs: dict[str, Any], output: Any, dim: int) -> int:
+    """The number of samples of one chunk: from its first target tensor (positional, then
+    keyword), else its output."""
     t = get_a_var(targets) if targets else None
+    if t is None and kwargs:
+        t = get_a_var(kwargs)
     if t is None:
         t = get_a_var(output)
     assert t is not None

@@ -124,8 +124,9 @@ def patch_torch() -> TorchPatch:
     ``torch.nn.parallel.data_parallel`` (``DataParallel``, ``data_parallel``, ``replicate``,
     ``scatter_kwargs``, ``gather``, ``parallel_apply``), so code that looks these names up at call
     time uses torchdp. Names bound earlier with ``from torch.nn.parallel import ...`` keep
-    PyTorch's objects. Calling it again while a patch is active changes nothing and returns
-    another handle; the originals come back when every handle has been undone. While it is
+    PyTorch's objects. Calling it again while a patch is active sets the names to torchdp's
+    again (also a name another library replaced in between) and returns another handle; the
+    objects the first call found come back when every handle has been undone. While it is
     active, ``torch.nn.DataParallel`` is torchdp's class: instances of PyTorch's own class (made
     before, or by code that kept its own reference) are not instances of it, and pickle cannot
     save them by name (undo the patch first); names bound and subclasses defined while it is active

@@ -104,8 +104,16 @@ def test_criterion_errors_name_the_problem_and_the_fix():
         crit(gathered(x), y)
     with pytest.raises(ValueError, match="got no outputs"):
         crit([], y)
-    with pytest.raises(ValueError, match="split into 1 chunks.*2 outputs"):
+    with pytest.raises(ValueError, match="split into 1 chunks.*target 0: 1.*2 outputs"):
         crit(dp(x), y[:1])
+    scaled = torchdp.DataParallelCriterion(lambda o, t, s: nn.functional.cross_entropy(o, t) * s)
+    with pytest.raises(ValueError, match="target 1 is a 0-dim tensor.*pass a Python number"):
+        scaled(dp(x), y, torch.tensor(2.0))
+    with pytest.raises(ValueError, match="keyword target 's' is a 0-dim tensor"):
+        scaled(dp(x), y, s=torch.tensor(2.0))
+    torch.testing.assert_close(
+        scaled(dp(x), y, 2.0), 2.0 * nn.functional.cross_entropy(gathered(x), y)
+    )
     with pytest.raises(TypeError, match="output 0 holds no tensor"):
         crit(["a", "b"], y)
     with pytest.raises(ValueError, match="reduction must be one of"):
@@ -117,6 +125,67 @@ def test_criterion_errors_name_the_problem_and_the_fix():
     )
     with pytest.raises(ValueError, match="replica 0 gave \\(2,\\).*reduction='none'"):
         per_sample(dp(x), y)
+
+
+WEIGHTED_MEANS = {
+    "class weights": lambda: nn.CrossEntropyLoss(weight=torch.tensor([0.5, 2.0, 1.0, 3.0, 0.1])),
+    "ignore_index": lambda: nn.CrossEntropyLoss(ignore_index=1),
+    "both, label smoothing": lambda: nn.CrossEntropyLoss(
+        weight=torch.tensor([0.5, 2.0, 1.0, 3.0, 0.1]), ignore_index=4, label_smoothing=0.2
+    ),
+    "NLLLoss": lambda: nn.NLLLoss(weight=torch.tensor([0.5, 2.0, 1.0, 3.0, 0.1]), ignore_index=0),
+}
+
+
+@pytest.mark.parametrize("name", list(WEIGHTED_MEANS))
+@pytest.mark.parametrize("n", [2, 3])
+def test_weighted_means_are_the_whole_batch_mean(name, n):
+    """Class weights and ignored targets make the criterion's mean a weighted one: the result is
+    still the whole batch's, also when one replica's targets are all ignored (no NaN)."""
+    net = _net()
+    ref = clone_module(net)
+    dp = torchdp.DataParallel(net, devices=cpu_devices(n), gather_output=False)
+    x = torch.randn(7, 6)
+    y = torch.tensor([1, 1, 1, 2, 3, 4, 0])  # 3, 3, 1 on three replicas
+    ignore = getattr(WEIGHTED_MEANS[name](), "ignore_index", -100)
+    if ignore in (1, 0):
+        y[:3] = ignore  # replica 0's targets (and, with n=3, all of them) ignored
+    crit = WEIGHTED_MEANS[name]()
+    log = name == "NLLLoss"
+    outputs = [o.log_softmax(1) for o in dp(x)] if log else dp(x)
+    loss = torchdp.DataParallelCriterion(crit)(outputs, y)
+    expected = crit(ref(x).log_softmax(1) if log else ref(x), y)
+    assert torch.isfinite(loss)
+    torch.testing.assert_close(loss, expected)
+    loss.backward()
+    expected.backward()
+    for (pname, p), q in zip(net.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=pname)
+
+
+def test_sample_counts_come_from_keyword_targets_too():
+    """Chunks of 3, 3 and 1 samples weigh 3:3:1 also when the target is a keyword argument and
+    the output's first tensor has no batch dimension."""
+
+    class AuxAndLogits(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(6, 5)
+
+        def forward(self, x):
+            logits = self.lin(x)
+            return logits.mean(), logits
+
+    def loss_fn(out, target=None):
+        return nn.functional.cross_entropy(out[1], target)
+
+    net = AuxAndLogits()
+    dp = torchdp.DataParallel(net, devices=cpu_devices(3), gather_output=False)
+    x, y = torch.randn(7, 6), torch.randint(0, 5, (7,))
+    crit = torchdp.DataParallelCriterion(loss_fn, check_targets=False)
+    expected = nn.functional.cross_entropy(net.lin(x), y)
+    torch.testing.assert_close(crit(dp(x), target=y), expected)
+    torch.testing.assert_close(crit(dp(x), y), expected)
 
 
 def test_targets_with_another_batch_size_are_refused():
