@@ -428,9 +428,8 @@ class DataParallel(_TorchDataParallel[T]):
             self._check_or_place_module()
 
             inputs, module_kwargs = self.scatter(inputs, kwargs, self.device_ids)
-            if (
-                module_kwargs is None
-            ):  # an overridden scatter may say "no keywords" (as parallel_apply)
+            # An overridden scatter may say "no keyword arguments" with None (as parallel_apply).
+            if module_kwargs is None:
                 module_kwargs = tuple({} for _ in inputs)
             # A forward without arguments runs once, on device_ids[0].
             if not inputs and not module_kwargs:

@@ -173,7 +173,8 @@ def scatter(inputs: Any, target_gpus: Sequence[DeviceLike], dim: int = 0) -> Any
     ``zip`` truncates to the shortest branch, and every other object is passed to each device by
     reference. Unlike PyTorch, types registered with ``torch.utils._pytree``
     (``register_dataclass``, ...) are split field by field and rebuilt per chunk, as
-    :func:`gather` takes them apart. The split is differentiable: the gradient of each chunk flows back to the input.
+    :func:`gather` takes them apart. The split is differentiable: the gradient of each chunk
+    flows back to the input.
 
     Args:
         inputs (Any): a tensor or a nested structure holding tensors.
