@@ -515,8 +515,9 @@ void BufferSnapshot::take(const std::vector<at::Tensor>& tensors) {
   kept.reserve(tensors.size());
   for (const auto& t : tensors) {
     // Tensors whose elements overlap (expanded ones) cannot be written in place, so no forward
-    // changed them.
-    if (!t.defined() || t.is_meta() || at::has_internal_overlap(t) == at::MemOverlap::Yes ||
+    // changed them; sparse and other non-strided layouts are left out too.
+    if (!t.defined() || t.is_meta() || t.layout() != c10::kStrided ||
+        at::has_internal_overlap(t) == at::MemOverlap::Yes ||
         !seen.insert(t.unsafeGetTensorImpl()).second) {
       continue;
     }

@@ -119,12 +119,12 @@ std::vector<torch::nn::ModuleHolder<ModuleType>> replicate(
 // Parameters are not copied: changing them in place inside a forward is rare and copying them every
 // step would cost a model's worth of memory traffic.
 
-/// A copy of some tensors that can be written back into them. Undefined and meta tensors (no data)
-/// and tensors whose elements overlap (expanded ones: no in-place write can change them) are
-/// skipped, and a tensor listed twice is copied once. A snapshot can be taken again: when the
-/// tensors are the same as last time, their copies are refreshed in place (one _foreach_copy_ per
-/// device and dtype), so a snapshot kept from step to step costs no allocation. See
-/// Note [Buffers of failed forwards].
+/// A copy of some tensors that can be written back into them. Undefined and meta tensors (no data),
+/// tensors whose elements overlap (expanded ones: no in-place write can change them) and sparse
+/// ones are skipped, and a tensor listed twice is copied once. A snapshot can be taken again: when
+/// the tensors are the same as last time, their copies are refreshed in place (one _foreach_copy_
+/// per device and dtype), so a snapshot kept from step to step costs no allocation. See Note
+/// [Buffers of failed forwards].
 class BufferSnapshot {
  public:
   BufferSnapshot() = default;

@@ -736,6 +736,7 @@ def test_buffer_snapshot():
     module.register_buffer("same", a)  # one tensor registered twice: copied once
     module.register_buffer("meta", torch.empty(2, device="meta"))  # no data: skipped
     module.register_buffer("expanded", torch.arange(3).expand(2, 3))  # cannot be written: skipped
+    module.register_buffer("sparse", torch.eye(2).to_sparse())  # not strided: skipped
     module.register_buffer("none", None)
     snapshot = torchdp._C.snapshot_buffers(module)
     assert len(snapshot) == 2
