@@ -206,10 +206,20 @@ at::Tensor move_to(const at::Tensor& t, c10::Device device) {
   return t.to(device, non_blocking_to(device));
 }
 
+// Quantized tensors carry their quantizer outside the storage: byte copies and flat buffers would
+// make tensors without one.
+void check_not_quantized(const at::Tensor& t, const char* api, const char* what, size_t i) {
+  TORCH_CHECK(!t.is_quantized(), api, ": ", what, " ", i, " is a quantized tensor (",
+              t.scalar_type(),
+              "), which torchdp cannot copy between devices; dequantize it first, or keep "
+              "quantized modules out of the replicated network");
+}
+
 void check_same_device(at::TensorList tensors, c10::Device expected, const char* api,
                        const char* what) {
   for (const auto i : c10::irange(tensors.size())) {
     TORCH_CHECK(tensors[i].defined(), api, ": ", what, " ", i, " is an undefined tensor");
+    check_not_quantized(tensors[i], api, what, i);
     TORCH_CHECK(detail::canonical(tensors[i].device()) == expected, api, ": ", what, " ", i,
                 " is on ", tensors[i].device(), " but all tensors must be on ", expected,
                 " (devices[0]); move them there first");
@@ -312,6 +322,7 @@ std::vector<at::Tensor> reduce_add_coalesced(const std::vector<std::vector<at::T
     const auto device = count ? detail::canonical(list[0].device()) : c10::Device(c10::kCPU);
     for (const auto k : c10::irange(count)) {
       TORCH_CHECK(list[k].defined(), api, ": tensor ", k, " of list ", j, " is undefined");
+      check_not_quantized(list[k], api, "tensor", k);
       TORCH_CHECK(list[k].sizes() == first[k].sizes(), api, ": input ", k, " of list ", j,
                   " has invalid size: got ", list[k].sizes(), ", but expected ", first[k].sizes());
       TORCH_CHECK(list[k].scalar_type() == first[k].scalar_type(), api, ": input ", k, " of list ",
@@ -387,6 +398,7 @@ std::vector<at::Tensor> scatter(const at::Tensor& tensor,
               ": expected at least one device to scatter to, got an empty device list");
   const auto devices = normalize_devices(devices_in, api);
   TORCH_CHECK(tensor.defined(), api, ": the input tensor is undefined");
+  check_not_quantized(tensor, api, "input", 0);
   TORCH_CHECK(tensor.dim() > 0, api,
               ": cannot scatter a 0-dim tensor (a scalar has no dimension to split); give it a "
               "batch dimension, e.g. tensor.unsqueeze(0)");
@@ -447,6 +459,7 @@ at::Tensor gather(at::TensorList tensors, c10::Device destination_in, int64_t di
   for (const auto i : c10::irange(tensors.size())) {
     const auto& t = tensors[i];
     TORCH_CHECK(t.defined(), api, ": tensor ", i, " is undefined");
+    check_not_quantized(t, api, "tensor", i);
     TORCH_CHECK(t.scalar_type() == first.scalar_type(), api, ": tensor ", i, " has dtype ",
                 t.scalar_type(), " but tensor 0 has ", first.scalar_type());
     bool ok = t.dim() == first.dim();

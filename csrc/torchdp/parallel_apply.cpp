@@ -280,7 +280,19 @@ std::shared_ptr<Run> start(size_t n, const std::vector<c10::Device>& devices,
       run->latch.count_down();
     });
   }
-  run->run_one(0);
+  {
+    // Task 0 runs here: parallel_run calls nested in it run inline, as in the workers' tasks
+    // (queued on worker 0 they would wait behind this call's task 1, which may wait for task 0).
+    const bool was_worker = in_worker;
+    in_worker = true;
+    try {
+      run->run_one(0);
+    } catch (...) {
+      in_worker = was_worker;
+      throw;
+    }
+    in_worker = was_worker;
+  }
   return run;
 }
 

@@ -9,6 +9,7 @@
 #include <c10/core/GradMode.h>
 #include <c10/core/InferenceMode.h>
 #include <c10/util/Exception.h>
+#include <c10/util/Type.h>
 #include <c10/util/irange.h>
 #include <torch/csrc/autograd/variable.h>
 
@@ -100,6 +101,14 @@ struct ReplicaSet {
 
 void align(const Module& original, Module& replica, const std::string& path,
            std::vector<Module*>& out) {
+  // A class derived from a Cloneable<Base> module inherits Base's clone(), which builds a Base:
+  // its replicas would silently run Base's forward.
+  TORCH_CHECK(typeid(replica) == typeid(original), kApi, ": the clone() of module '", where(path),
+              "' (type ", c10::demangle(typeid(original).name()), ") is a ",
+              c10::demangle(typeid(replica).name()),
+              ": a class derived from a Cloneable module inherits its base's clone(), which builds "
+              "the base class. Derive it from torch::nn::Cloneable<",
+              c10::demangle(typeid(original).name()), "> itself, or override clone()");
   out.push_back(&replica);
   const auto replica_children = replica.named_children();
   for (const auto& c : original.named_children()) {
@@ -107,6 +116,13 @@ void align(const Module& original, Module& replica, const std::string& path,
     TORCH_CHECK(found != nullptr, kApi, ": the clone() of module '", where(path), "' (type ",
                 original.name(), ") has no submodule '", c.key(),
                 "'; clone() must reproduce every registered submodule (register it in reset())");
+    // Sequential and AnyModule clone a child through a cast to its own type, which yields null
+    // when the child's clone() built a base class.
+    TORCH_CHECK(*found != nullptr, kApi, ": the clone() of module '", where(join(path, c.key())),
+                "' (type ", c10::demangle(typeid(*c.value()).name()),
+                ") is null: a class derived from a Cloneable module inherits its base's clone(), "
+                "which builds the base class. Derive it from torch::nn::Cloneable<",
+                c10::demangle(typeid(*c.value()).name()), "> itself, or override clone()");
     align(*c.value(), **found, join(path, c.key()), out);
   }
 }
@@ -562,7 +578,22 @@ void BufferSnapshot::take(const std::vector<at::Tensor>& tensors) {
 size_t BufferSnapshot::restore() {
   at::NoGradGuard no_grad;
   for (auto& group : groups_) {
-    at::_foreach_copy_(group.sources, group.copies);
+    bool resized = false;
+    for (const auto i : c10::irange(group.sources.size())) {
+      resized = resized || group.sources[i].sizes() != group.copies[i].sizes();
+    }
+    if (!resized) {
+      at::_foreach_copy_(group.sources, group.copies);
+      continue;
+    }
+    // A tensor resized in place since the copy: its size comes back too.
+    for (const auto i : c10::irange(group.sources.size())) {
+      auto& t = group.sources[i];
+      if (t.sizes() != group.copies[i].sizes()) {
+        t.resize_(group.copies[i].sizes());
+      }
+      t.copy_(group.copies[i]);
+    }
   }
   return tensors_.size();
 }

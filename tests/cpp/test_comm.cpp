@@ -455,6 +455,13 @@ TEST_CASE("comm::scatter errors", "[cpu][comm]") {
     TORCHDP_CHECK_THROWS_WITH(torchdp::comm::scatter(x, cpu_devices(2), std::nullopt, -3), api,
                               "dim -3 is out of range", "[8, 2]", "[-2, 1]");
   }
+  SECTION("quantized input") {
+    const auto q = torch::quantize_per_tensor(torch::rand({4, 2}), 0.1, 0, torch::kQInt8);
+    TORCHDP_CHECK_THROWS_WITH(torchdp::comm::scatter(q, cpu_devices(2)), api, "quantized",
+                              "dequantize it first");
+    TORCHDP_CHECK_THROWS_WITH(torchdp::comm::broadcast_coalesced({q}, cpu_devices(2)),
+                              "torchdp::comm::broadcast_coalesced", "tensor 0 is a quantized");
+  }
   SECTION("meta input to devices with data") {
     const auto m = torch::empty({4, 2}, torch::kMeta);
     TORCHDP_CHECK_THROWS_WITH(torchdp::comm::scatter(m, {kCpu, kCpu}), api, "meta device",

@@ -116,6 +116,31 @@ TEST_CASE("nested parallel_run inside a worker runs inline", "[cpu][parallel_app
   CHECK(inner == 4);
 }
 
+TEST_CASE("nested parallel_run inside task 0 runs inline too", "[cpu][parallel_apply]") {
+  // Task 0 runs on the calling thread. Queued on worker 0, its nested tasks would wait behind
+  // task 1, which here waits for task 0 (as replicas that synchronise with each other do).
+  const auto devices = cpu_devices(2);
+  std::atomic<bool> task0_done{false};
+  std::atomic<bool> task1_saw_it{false};
+  std::atomic<int> inner{0};
+  torchdp::parallel_run(2, devices, [&](size_t i) {
+    if (i == 0) {
+      torchdp::parallel_run(2, devices, [&](size_t) {
+        inner++;
+      });
+      task0_done = true;
+      return;
+    }
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (!task0_done && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    task1_saw_it = task0_done.load();
+  });
+  CHECK(inner == 2);
+  CHECK(task1_saw_it);
+}
+
 TEST_CASE("parallel_apply rejects mismatched lengths", "[cpu][parallel_apply]") {
   std::vector<torch::nn::Linear> modules{torch::nn::Linear(1, 1), torch::nn::Linear(1, 1)};
   std::vector<torch::Tensor> one_input{torch::ones({1, 1})};

@@ -3,6 +3,27 @@
 using namespace torchdp_test;
 
 namespace {
+struct BaseLinearImpl : torch::nn::Cloneable<BaseLinearImpl> {
+  BaseLinearImpl() {
+    reset();
+  }
+  void reset() override {
+    lin = register_module("lin", torch::nn::Linear(2, 2));
+  }
+  virtual torch::Tensor forward(const torch::Tensor& x) {
+    return lin->forward(x);
+  }
+  torch::nn::Linear lin{nullptr};
+};
+// Inherits BaseLinearImpl's clone(), which builds a BaseLinearImpl.
+struct DerivedLinearImpl : BaseLinearImpl {
+  torch::Tensor forward(const torch::Tensor& x) override {
+    return lin->forward(x) + 100;
+  }
+};
+} // namespace
+
+namespace {
 
 bool same_storage(const torch::Tensor& a, const torch::Tensor& b) {
   return a.data_ptr() == b.data_ptr();
@@ -249,6 +270,15 @@ TEST_CASE("replicate rejects what it cannot replicate, with clear errors", "[cpu
     torchdp::detail::move_module(*seq[1], torch::kMeta);
     TORCHDP_CHECK_THROWS_WITH(torchdp::replicate(seq, cpu_devices(2)), "torchdp::replicate",
                               "'0.weight' is on cpu", "'1.weight' is on meta");
+  }
+  SECTION("a class derived from a Cloneable module, which inherits its base's clone()") {
+    auto derived = std::make_shared<DerivedLinearImpl>();
+    TORCHDP_CHECK_THROWS_WITH(torchdp::replicate(derived, cpu_devices(2)), "torchdp::replicate",
+                              "DerivedLinearImpl", "BaseLinearImpl", "torch::nn::Cloneable<");
+    torch::nn::Sequential seq(torch::nn::Linear(2, 2));
+    seq->push_back(derived);
+    TORCHDP_CHECK_THROWS_WITH(torchdp::replicate(seq, cpu_devices(2)), "module '1'",
+                              "DerivedLinearImpl");
   }
   SECTION("an empty device list") {
     torch::nn::Linear linear(2, 2);

@@ -744,3 +744,7 @@ def test_buffer_snapshot():
     b.mul_(5)
     assert snapshot.restore() == 2
     assert torch.equal(a, torch.zeros(3)) and torch.equal(b, torch.arange(4).reshape(2, 2))
+    a.resize_(5).fill_(7.0)  # resized in place: the size comes back too
+    b.resize_(1)
+    snapshot.restore()
+    assert torch.equal(a, torch.zeros(3)) and torch.equal(b, torch.arange(4).reshape(2, 2))
