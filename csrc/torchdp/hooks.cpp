@@ -29,9 +29,9 @@ Registry& registry() {
   return *r;
 }
 
-PostReplicateHookHandle add(std::string description_suffix,
-                            std::function<bool(const torch::nn::Module&)> matches,
-                            PostReplicateHook fn) {
+PostReplicateHookHandle add(
+    std::string description_suffix, std::function<bool(const torch::nn::Module&)> matches,
+    PostReplicateHook fn, std::optional<std::weak_ptr<torch::nn::Module>> instance = std::nullopt) {
   TORCH_CHECK(static_cast<bool>(fn), "torchdp::register_post_replicate_hook: the hook is empty; ",
               "pass a callable");
   auto& r = registry();
@@ -43,6 +43,7 @@ PostReplicateHookHandle add(std::string description_suffix,
       "post-replicate hook #" + std::to_string(id) + " (" + description_suffix + ")";
   entry->matches = std::move(matches);
   entry->fn = std::move(fn);
+  entry->instance = std::move(instance);
   r.hooks.emplace(id, std::move(entry));
   r.count = r.hooks.size();
   return PostReplicateHookHandle(id);
@@ -73,14 +74,26 @@ PostReplicateHookHandle register_instance_hook(const std::shared_ptr<torch::nn::
         auto alive = weak.lock();
         return alive.get() == raw;
       },
-      std::move(fn));
+      std::move(fn), weak);
 }
+
+namespace {
+// Drops the hooks of module instances that died (the registry's lock held).
+void purge_dead_instances(Registry& r) {
+  for (auto it = r.hooks.begin(); it != r.hooks.end();) {
+    const auto& instance = it->second->instance;
+    it = instance && instance->expired() ? r.hooks.erase(it) : std::next(it);
+  }
+  r.count = r.hooks.size();
+}
+} // namespace
 
 std::vector<std::shared_ptr<const HookEntry>> hooks_for(const torch::nn::Module& original) {
   auto& r = registry();
   std::vector<std::shared_ptr<const HookEntry>> entries;
   {
     std::lock_guard<std::mutex> lock(r.mutex);
+    purge_dead_instances(r);
     entries.reserve(r.hooks.size());
     for (const auto& kv : r.hooks) {
       entries.push_back(kv.second);
@@ -96,7 +109,14 @@ std::vector<std::shared_ptr<const HookEntry>> hooks_for(const torch::nn::Module&
 }
 
 bool no_hooks_registered() {
-  return registry().count.load() == 0;
+  auto& r = registry();
+  if (r.count.load() == 0) {
+    return true;
+  }
+  // Only instance hooks of modules that died left: drop them.
+  std::lock_guard<std::mutex> lock(r.mutex);
+  purge_dead_instances(r);
+  return r.hooks.empty();
 }
 
 } // namespace detail
@@ -117,6 +137,7 @@ bool PostReplicateHookHandle::active() const {
   }
   auto& r = detail::registry();
   std::lock_guard<std::mutex> lock(r.mutex);
+  detail::purge_dead_instances(r);
   return r.hooks.count(id_) != 0;
 }
 

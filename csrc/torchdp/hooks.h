@@ -74,6 +74,8 @@ struct HookEntry {
   std::string description; // e.g. "post-replicate hook #3 (type MaskedLinearImpl)"
   std::function<bool(const torch::nn::Module&)> matches;
   PostReplicateHook fn;
+  // Instance hooks: the module, whose death unregisters the hook (at the next lookup).
+  std::optional<std::weak_ptr<torch::nn::Module>> instance;
 };
 
 PostReplicateHookHandle register_type_hook(std::string type_name,

@@ -92,6 +92,21 @@ TEST_CASE("instance hooks apply to that instance only", "[cpu][hooks]") {
   handle.remove();
 }
 
+TEST_CASE("an instance hook is unregistered once its module dies", "[cpu][hooks]") {
+  REQUIRE(torchdp::detail::no_hooks_registered());
+  torchdp::PostReplicateHookHandle handle;
+  {
+    torch::nn::Linear linear(2, 2);
+    handle = torchdp::register_post_replicate_hook(
+        linear, [](torch::nn::LinearImpl&, const torch::nn::LinearImpl&, torch::Device, int64_t,
+                   torchdp::ReplicaContext&) {});
+    CHECK(handle.active());
+    CHECK_FALSE(torchdp::detail::no_hooks_registered());
+  }
+  CHECK_FALSE(handle.active());
+  CHECK(torchdp::detail::no_hooks_registered());
+}
+
 TEST_CASE("hooks run in registration order and can be removed", "[cpu][hooks]") {
   torch::nn::Linear linear(2, 2);
   std::vector<int> order;
