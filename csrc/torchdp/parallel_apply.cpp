@@ -1,4 +1,5 @@
 #include <torchdp/devices.h>
+#include <torchdp/errors.h>
 #include <torchdp/parallel_apply.h>
 
 #include <ATen/ThreadLocalState.h>
@@ -155,41 +156,17 @@ std::string device_label(c10::Device device) {
   return device.str();
 }
 
-template <typename E>
-[[noreturn]] void throw_as(const std::string& message) {
-  throw E(c10::SourceLocation{__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, message);
-}
-
 // Rethrows `error`, caught in replica `index` on `device`, with PyTorch's "Caught ..." wording and
 // the same c10::Error class where it has one.
 [[noreturn]] void rethrow_wrapped(std::exception_ptr error, size_t index, c10::Device device) {
+  const auto where = " in replica " + std::to_string(index) + " on device " + device_label(device);
   try {
     std::rethrow_exception(error);
-  } catch (const c10::Error& e) {
-    const std::string prefix = "Caught " + c10::demangle(typeid(e).name()) + " in replica " +
-                               std::to_string(index) + " on device " + device_label(device) + ".\n";
-    const std::string message = prefix + e.what_without_backtrace();
-    if (dynamic_cast<const c10::IndexError*>(&e)) {
-      throw_as<c10::IndexError>(message);
-    } else if (dynamic_cast<const c10::ValueError*>(&e)) {
-      throw_as<c10::ValueError>(message);
-    } else if (dynamic_cast<const c10::TypeError*>(&e)) {
-      throw_as<c10::TypeError>(message);
-    } else if (dynamic_cast<const c10::NotImplementedError*>(&e)) {
-      throw_as<c10::NotImplementedError>(message);
-    } else if (dynamic_cast<const c10::LinAlgError*>(&e)) {
-      throw_as<c10::LinAlgError>(message);
-    } else if (dynamic_cast<const c10::OutOfMemoryError*>(&e)) {
-      throw_as<c10::OutOfMemoryError>(message);
-    }
-    throw_as<c10::Error>(message);
   } catch (const std::exception& e) {
-    throw_as<c10::Error>("Caught " + c10::demangle(typeid(e).name()) + " in replica " +
-                         std::to_string(index) + " on device " + device_label(device) + ".\n" +
-                         e.what());
+    detail::rethrow_with_prefix("Caught " + c10::demangle(typeid(e).name()) + where + ".\n");
   } catch (...) {
-    throw_as<c10::Error>("Caught an unknown exception in replica " + std::to_string(index) +
-                         " on device " + device_label(device) + ".");
+    throw c10::Error(c10::SourceLocation{__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
+                     "Caught an unknown exception" + where + ".");
   }
 }
 

@@ -1,6 +1,7 @@
 #include <torchdp/autograd.h>
 #include <torchdp/comm.h>
 #include <torchdp/devices.h>
+#include <torchdp/errors.h>
 #include <torchdp/profiling.h>
 #include <torchdp/replicate.h>
 
@@ -14,6 +15,7 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include <mutex>
+#include <sstream>
 #include <typeinfo>
 #include <unordered_map>
 #include <unordered_set>
@@ -414,10 +416,13 @@ std::vector<std::shared_ptr<Module>> Replicator::replicate(
             try {
               hook->fn(*set->modules[j][p], *w.positions[p].original, devices[j],
                        static_cast<int64_t>(j), *contexts[p]);
-            } catch (const std::exception& e) {
-              TORCH_CHECK(false, kApi, ": ", hook->description, " failed on module '",
-                          where(w.positions[p].path), "' (type ", w.positions[p].original->name(),
-                          ") of replica ", j, " on device ", devices[j], ": ", message_of(e));
+            } catch (...) {
+              // The hook's exception class is kept (c10::ValueError stays one).
+              std::ostringstream prefix;
+              prefix << kApi << ": " << hook->description << " failed on module '"
+                     << where(w.positions[p].path) << "' (type " << w.positions[p].original->name()
+                     << ") of replica " << j << " on device " << devices[j] << ": ";
+              detail::rethrow_with_prefix(prefix.str());
             }
           }
         }

@@ -164,6 +164,30 @@ TEST_CASE(
   CHECK(replicas.size() == 2);
 }
 
+TEST_CASE("a failing hook's exception keeps its class", "[cpu][hooks]") {
+  torch::nn::Linear linear(2, 2);
+  const int kind = GENERATE(0, 1);
+  auto handle = torchdp::register_post_replicate_hook(
+      linear, [kind](torch::nn::LinearImpl&, const torch::nn::LinearImpl&, torch::Device,
+                     int64_t index, torchdp::ReplicaContext&) {
+        if (index == 1 && kind == 0) {
+          TORCH_CHECK_VALUE(false, "no state for this device");
+        }
+        if (index == 1) {
+          throw 7; // not a std::exception
+        }
+      });
+  if (kind == 0) {
+    CHECK_THROWS_AS(torchdp::replicate(linear, cpu_devices(2)), c10::ValueError);
+    TORCHDP_CHECK_THROWS_WITH(torchdp::replicate(linear, cpu_devices(2)), "post-replicate hook #",
+                              "replica 1", "no state for this device");
+  } else {
+    TORCHDP_CHECK_THROWS_WITH(torchdp::replicate(linear, cpu_devices(2)), "post-replicate hook #",
+                              "replica 1", "not a std::exception");
+  }
+  handle.remove();
+}
+
 TEST_CASE("the device check names a tensor a hook left on the wrong device", "[cpu][hooks]") {
   MaskedNet net;
   auto handle = torchdp::register_post_replicate_hook<MaskedLinear>(
