@@ -690,8 +690,9 @@ def grad_check(
     gpus: int,
 ) -> dict[str, Any]:
     """One forward/backward with torch.nn.DataParallel and with torchdp.DataParallel from the
-    same weights and inputs (dropout off); compares the gradients."""
+    same weights and inputs (dropout off); compares the outputs and the gradients."""
     grads: dict[str, list[torch.Tensor]] = {}
+    outputs: dict[str, torch.Tensor] = {}
     dev0 = x.device
     for impl in ("torch_dp", "torchdp"):
         torch.manual_seed(SEED)
@@ -701,7 +702,10 @@ def grad_check(
         wrapped, _ = wrap_data_parallel(impl, model, smoke, gpus)
         model.zero_grad(set_to_none=True)
         with autocast_context(dtype, dev0.type):
-            loss = compute_loss(name, wrapped(x), target)
+            out = wrapped(x)
+            loss = compute_loss(name, out, target)
+        outputs[impl] = out.detach().float().clone()
+        del out
         loss.backward()
         grads[impl] = [
             torch.zeros_like(p, dtype=torch.float32)
@@ -716,14 +720,22 @@ def grad_check(
     den = math.sqrt(sum(float(b.pow(2).sum()) for b in ref))
     rel = num / den if den > 0 else num
     result: dict[str, Any] = {"grads_max_abs_diff": max_abs, "grads_rel_l2_diff": rel}
+    result["outputs_max_abs_diff"] = float((outputs["torchdp"] - outputs["torch_dp"]).abs().max())
     if dtype == "fp32":
+        # The parity tests' tolerance, on the outputs and on the gradients.
         try:
-            torch.testing.assert_close(got, ref, rtol=1e-3, atol=1e-4)
+            torch.testing.assert_close(
+                outputs["torchdp"], outputs["torch_dp"], rtol=1e-5, atol=1e-5
+            )
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
             result["grads_match_torch_dp"] = True
         except AssertionError as exc:
             result["grads_match_torch_dp"] = False
             result["grads_mismatch"] = str(exc).strip().splitlines()[0][:300]
-        result["grads_check"] = "assert_close(rtol=1e-3, atol=1e-4), dropout off"
+        result["grads_check"] = (
+            "outputs and gradients, assert_close(rtol=1e-5, atol=1e-5) as the parity tests, "
+            "dropout off"
+        )
     else:
         result["grads_match_torch_dp"] = bool(rel <= 5e-2)
         result["grads_check"] = (
@@ -735,7 +747,7 @@ def grad_check(
             "; CPU: the reference is torch.nn.DataParallel's passthrough "
             "(whole batch), so BatchNorm models differ by design"
         )
-    del grads, ref, got
+    del grads, ref, got, outputs
     return result
 
 

@@ -100,6 +100,12 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     machine["failures"] = failures
+    if not args.name and not args.smoke:
+        # A second run on the same day gets its own files (run-2, run-3, ...), never another
+        # run's name: results, tables and plots of earlier runs stay as they were.
+        base, k = stem, 2
+        while (out_dir / f"{stem}.json").exists():
+            stem, k = f"{base}-run{k}", k + 1
     result = out_dir / f"{stem}.json"
     result.write_text(json.dumps({"machine": machine, "records": records}, indent=1))
     common.progress(f"wrote {len(records)} records to {result}")
