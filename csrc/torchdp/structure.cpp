@@ -1,5 +1,6 @@
 #include <torchdp/autograd.h>
 #include <torchdp/devices.h>
+#include <torchdp/errors.h>
 #include <torchdp/structure.h>
 
 #include <ATen/core/Dict.h>
@@ -8,6 +9,7 @@
 #include <c10/util/irange.h>
 
 #include <algorithm>
+#include <sstream>
 
 namespace torchdp {
 namespace {
@@ -105,7 +107,11 @@ c10::IValue gather_value(const std::vector<c10::IValue>& outputs, c10::Device de
                   outputs[i].tagKind());
       tensors.push_back(outputs[i].toTensor());
     }
-    return autograd::gather(tensors, destination, dim);
+    try {
+      return autograd::gather(tensors, destination, dim);
+    } catch (...) {
+      detail::rethrow_with_prefix(std::string(kGather) + ": output " + where + ": ");
+    }
   }
   if (first.isNone()) {
     return first;
@@ -151,15 +157,22 @@ c10::IValue gather_value(const std::vector<c10::IValue>& outputs, c10::Device de
     }
     c10::impl::GenericDict items(dict.keyType(), dict.valueType());
     for (const auto& entry : dict) {
+      std::ostringstream key;
+      if (entry.key().isString()) {
+        key << "'" << entry.key().toStringRef() << "'";
+      } else {
+        key << entry.key();
+      }
       std::vector<c10::IValue> column;
       for (const auto i : c10::irange(outputs.size())) {
         const auto other = outputs[i].toGenericDict();
         auto it = other.find(entry.key());
         TORCH_CHECK(it != other.end(), kGather, ": output ", where, " of replica ", i,
-                    " lacks a key that replica 0 has");
+                    " lacks the key ", key.str(), " that replica 0 has");
         column.push_back(it->value());
       }
-      items.insert(entry.key(), gather_value(column, destination, dim, where + "[key]"));
+      items.insert(entry.key(),
+                   gather_value(column, destination, dim, where + "[" + key.str() + "]"));
     }
     return items;
   }

@@ -415,7 +415,17 @@ TEST_CASE("torchdp::gather errors", "[cpu][structure]") {
     one.insert("a", torch::ones({1}));
     two.insert("b", torch::ones({1}));
     TORCHDP_CHECK_THROWS_WITH(torchdp::gather({c10::IValue(one), c10::IValue(two)}, kCpu), api,
-                              "replica 1", "lacks a key");
+                              "replica 1", "lacks the key 'a'");
+  }
+  SECTION("tensors that cannot be concatenated, named by their place in the output") {
+    c10::Dict<std::string, at::Tensor> one, two;
+    one.insert("logits", torch::ones({2, 3}));
+    two.insert("logits", torch::ones({2, 4}));
+    const auto out = [](const c10::Dict<std::string, at::Tensor>& d) {
+      return c10::IValue(std::make_tuple(torch::ones({1}), d));
+    };
+    TORCHDP_CHECK_THROWS_WITH(torchdp::gather({out(one), out(two)}, kCpu), api,
+                              "output <output>[1]['logits']: torchdp::comm::gather");
   }
   SECTION("a non-gatherable type") {
     TORCHDP_CHECK_THROWS_WITH(
