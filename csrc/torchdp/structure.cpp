@@ -26,20 +26,38 @@ c10::IValue make_tuple_like(const c10::ivalue::Tuple& like, std::vector<c10::IVa
   return c10::ivalue::Tuple::create(std::move(items));
 }
 
-// Returns one value per chunk; the result may be shorter than devices (fewer chunks).
+// How a dict key appears in a path: strings quoted.
+std::string key_text(const c10::IValue& key) {
+  std::ostringstream os;
+  if (key.isString()) {
+    os << "'" << key.toStringRef() << "'";
+  } else {
+    os << key;
+  }
+  return os.str();
+}
+
+// Returns one value per chunk; the result may be shorter than devices (fewer chunks). `where` is
+// the value's place in the input, for errors.
 std::vector<c10::IValue> scatter_value(const c10::IValue& value,
-                                       const std::vector<c10::Device>& devices, int64_t dim) {
+                                       const std::vector<c10::Device>& devices, int64_t dim,
+                                       const std::string& where) {
   const size_t n = devices.size();
   if (value.isTensor()) {
-    auto chunks = autograd::scatter(value.toTensor(), devices, std::nullopt, dim);
-    return std::vector<c10::IValue>(chunks.begin(), chunks.end());
+    try {
+      auto chunks = autograd::scatter(value.toTensor(), devices, std::nullopt, dim);
+      return std::vector<c10::IValue>(chunks.begin(), chunks.end());
+    } catch (...) {
+      detail::rethrow_with_prefix(std::string(kScatter) + ": input " + where + ": ");
+    }
   }
   if (value.isTuple() && !value.toTupleRef().elements().empty()) {
     const auto& elements = value.toTupleRef().elements();
     std::vector<std::vector<c10::IValue>> parts;
     size_t count = n;
-    for (const auto& e : elements) {
-      parts.push_back(scatter_value(e, devices, dim));
+    for (const auto k : c10::irange(elements.size())) {
+      parts.push_back(
+          scatter_value(elements[k], devices, dim, where + "[" + std::to_string(k) + "]"));
       count = std::min(count, parts.back().size());
     }
     std::vector<c10::IValue> out;
@@ -58,7 +76,8 @@ std::vector<c10::IValue> scatter_value(const c10::IValue& value,
     std::vector<std::vector<c10::IValue>> parts;
     size_t count = n;
     for (const auto i : c10::irange(list.size())) {
-      parts.push_back(scatter_value(list.get(i), devices, dim));
+      parts.push_back(
+          scatter_value(list.get(i), devices, dim, where + "[" + std::to_string(i) + "]"));
       count = std::min(count, parts.back().size());
     }
     std::vector<c10::IValue> out;
@@ -78,7 +97,8 @@ std::vector<c10::IValue> scatter_value(const c10::IValue& value,
     size_t count = n;
     for (const auto& entry : dict) {
       keys.push_back(entry.key());
-      parts.push_back(scatter_value(entry.value(), devices, dim));
+      parts.push_back(
+          scatter_value(entry.value(), devices, dim, where + "[" + key_text(entry.key()) + "]"));
       count = std::min(count, parts.back().size());
     }
     std::vector<c10::IValue> out;
@@ -157,22 +177,16 @@ c10::IValue gather_value(const std::vector<c10::IValue>& outputs, c10::Device de
     }
     c10::impl::GenericDict items(dict.keyType(), dict.valueType());
     for (const auto& entry : dict) {
-      std::ostringstream key;
-      if (entry.key().isString()) {
-        key << "'" << entry.key().toStringRef() << "'";
-      } else {
-        key << entry.key();
-      }
+      const auto key = key_text(entry.key());
       std::vector<c10::IValue> column;
       for (const auto i : c10::irange(outputs.size())) {
         const auto other = outputs[i].toGenericDict();
         auto it = other.find(entry.key());
         TORCH_CHECK(it != other.end(), kGather, ": output ", where, " of replica ", i,
-                    " lacks the key ", key.str(), " that replica 0 has");
+                    " lacks the key ", key, " that replica 0 has");
         column.push_back(it->value());
       }
-      items.insert(entry.key(),
-                   gather_value(column, destination, dim, where + "[" + key.str() + "]"));
+      items.insert(entry.key(), gather_value(column, destination, dim, where + "[" + key + "]"));
     }
     return items;
   }
@@ -185,7 +199,7 @@ c10::IValue gather_value(const std::vector<c10::IValue>& outputs, c10::Device de
 std::vector<c10::IValue> scatter(const c10::IValue& inputs, const std::vector<c10::Device>& devices,
                                  int64_t dim) {
   const auto normalized = normalize_devices(devices, kScatter);
-  return scatter_value(inputs, normalized, dim);
+  return scatter_value(inputs, normalized, dim, "<input>");
 }
 
 c10::IValue gather(const std::vector<c10::IValue>& outputs, c10::Device destination, int64_t dim) {

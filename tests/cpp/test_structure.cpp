@@ -400,6 +400,14 @@ TEST_CASE("torchdp::gather round trip carries gradients", "[cpu][structure]") {
   CHECK(torch::equal(y.grad(), torch::full({5}, 2.F)));
 }
 
+TEST_CASE("torchdp::scatter errors name the input's place", "[cpu][structure]") {
+  c10::Dict<std::string, at::Tensor> batch;
+  batch.insert("scale", torch::tensor(2.F)); // 0-dim: cannot be split
+  const auto input = c10::IValue(std::make_tuple(torch::ones({4, 2}), batch));
+  TORCHDP_CHECK_THROWS_WITH(torchdp::scatter(input, cpu_devices(2)), "torchdp::scatter",
+                            "input <input>[1]['scale']: torchdp::comm::scatter", "0-dim");
+}
+
 TEST_CASE("torchdp::gather errors", "[cpu][structure]") {
   const char* api = "torchdp::gather";
   SECTION("dicts with different numbers of keys") {
