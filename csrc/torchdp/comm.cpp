@@ -399,6 +399,9 @@ std::vector<at::Tensor> scatter(const at::Tensor& tensor,
   const auto devices = normalize_devices(devices_in, api);
   TORCH_CHECK(tensor.defined(), api, ": the input tensor is undefined");
   check_not_quantized(tensor, api, "input", 0);
+  TORCH_CHECK(tensor.layout() == c10::kStrided, api, ": the input has layout ", tensor.layout(),
+              ", which cannot be split into chunks; pass it dense (to_dense()), or keep it out of "
+              "the scattered arguments");
   TORCH_CHECK(tensor.dim() > 0, api,
               ": cannot scatter a 0-dim tensor (a scalar has no dimension to split); give it a "
               "batch dimension, e.g. tensor.unsqueeze(0)");
@@ -460,6 +463,8 @@ at::Tensor gather(at::TensorList tensors, c10::Device destination_in, int64_t di
     const auto& t = tensors[i];
     TORCH_CHECK(t.defined(), api, ": tensor ", i, " is undefined");
     check_not_quantized(t, api, "tensor", i);
+    TORCH_CHECK(t.layout() == c10::kStrided, api, ": tensor ", i, " has layout ", t.layout(),
+                ", which cannot be concatenated; return dense tensors (to_dense())");
     TORCH_CHECK(t.scalar_type() == first.scalar_type(), api, ": tensor ", i, " has dtype ",
                 t.scalar_type(), " but tensor 0 has ", first.scalar_type());
     bool ok = t.dim() == first.dim();

@@ -455,6 +455,13 @@ TEST_CASE("comm::scatter errors", "[cpu][comm]") {
     TORCHDP_CHECK_THROWS_WITH(torchdp::comm::scatter(x, cpu_devices(2), std::nullopt, -3), api,
                               "dim -3 is out of range", "[8, 2]", "[-2, 1]");
   }
+  SECTION("sparse input") {
+    TORCHDP_CHECK_THROWS_WITH(torchdp::comm::scatter(torch::eye(4).to_sparse(), cpu_devices(2)),
+                              api, "layout Sparse", "to_dense()");
+    TORCHDP_CHECK_THROWS_WITH(
+        torchdp::comm::gather({torch::eye(2).to_sparse(), torch::eye(2).to_sparse()}, kCpu),
+        "torchdp::comm::gather", "tensor 0 has layout Sparse");
+  }
   SECTION("quantized input") {
     const auto q = torch::quantize_per_tensor(torch::rand({4, 2}), 0.1, 0, torch::kQInt8);
     TORCHDP_CHECK_THROWS_WITH(torchdp::comm::scatter(q, cpu_devices(2)), api, "quantized",
