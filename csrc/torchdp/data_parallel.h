@@ -3,6 +3,7 @@
 #include <torchdp/autograd.h>
 #include <torchdp/cuda/graphed_replicas.h>
 #include <torchdp/devices.h>
+#include <torchdp/errors.h>
 #include <torchdp/parallel_apply.h>
 #include <torchdp/replicate.h>
 
@@ -232,11 +233,12 @@ at::Tensor data_parallel(ModuleType module, at::Tensor input,
     module->to(used.front());
     return module->forward(input.to(used.front())).to(out_device);
   }
-  TORCH_CHECK_INDEX(
-      !input.defined() || input.dim() == 0 || (dim >= -input.dim() && dim < input.dim()), api,
-      ": dim ", dim, " is out of range for an input of shape ", input.sizes(), "; it must be in [",
-      -input.dim(), ", ", input.dim() - 1, "], the dimension the batch is split along");
-  auto chunks = autograd::scatter(input, used, std::nullopt, dim);
+  std::vector<at::Tensor> chunks;
+  try {
+    chunks = autograd::scatter(input, used, std::nullopt, dim);
+  } catch (...) {
+    detail::rethrow_with_prefix(std::string(api) + ": "); // the input's errors, named by this API
+  }
   used.resize(chunks.size(), used.front());
   BufferSnapshot buffers(module->buffers()); // Note [Buffers of failed forwards]
   try {

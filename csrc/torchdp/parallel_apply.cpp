@@ -234,6 +234,22 @@ struct Run {
   Latch latch;
 };
 
+// Marks the calling thread as running a task while it lives (restored at scope exit).
+class InWorker {
+ public:
+  InWorker() : was_(in_worker) {
+    in_worker = true;
+  }
+  ~InWorker() {
+    in_worker = was_;
+  }
+  InWorker(const InWorker&) = delete;
+  InWorker& operator=(const InWorker&) = delete;
+
+ private:
+  bool was_;
+};
+
 bool inline_run(size_t n) {
   return n <= 1 || in_worker;
 }
@@ -260,15 +276,8 @@ std::shared_ptr<Run> start(size_t n, const std::vector<c10::Device>& devices,
   {
     // Task 0 runs here: parallel_run calls nested in it run inline, as in the workers' tasks
     // (queued on worker 0 they would wait behind this call's task 1, which may wait for task 0).
-    const bool was_worker = in_worker;
-    in_worker = true;
-    try {
-      run->run_one(0);
-    } catch (...) {
-      in_worker = was_worker;
-      throw;
-    }
-    in_worker = was_worker;
+    const InWorker inline_nested;
+    run->run_one(0);
   }
   return run;
 }

@@ -17,6 +17,11 @@ def _net() -> nn.Module:
     return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 5))
 
 
+def assert_same_grads(net: nn.Module, ref: nn.Module) -> None:
+    for (name, p), q in zip(net.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_gather_output_false_returns_one_output_per_replica(n):
     net = _net()
@@ -53,8 +58,7 @@ def test_criterion_matches_the_whole_batch_loss(reduction, n):
     torch.testing.assert_close(loss, expected)
     loss.sum().backward()
     expected.sum().backward()
-    for (name, p), q in zip(net.named_parameters(), ref.parameters(), strict=True):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+    assert_same_grads(net, ref)
 
 
 def test_criterion_with_keyword_targets_dim1_and_a_function():
@@ -159,8 +163,7 @@ def test_weighted_means_are_the_whole_batch_mean(name, n):
     torch.testing.assert_close(loss, expected)
     loss.backward()
     expected.backward()
-    for (pname, p), q in zip(net.named_parameters(), ref.parameters(), strict=True):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=pname)
+    assert_same_grads(net, ref)
 
 
 def test_sample_counts_come_from_keyword_targets_too():

@@ -81,6 +81,17 @@ def wrap_both(
     )
 
 
+def started(n: int, batch: int) -> tuple[Any, ...]:
+    """(net, ref, dp, fresh, x): ``wrap_both`` over ``n`` CPU devices after one training step of
+    each wrapper on the batch ``x``."""
+    net, ref = pair()
+    dp, fresh = wrap_both(net, ref, cpu_devices(n))
+    x = torch.randn(batch, 4)
+    step(dp, net, x)
+    step(fresh, ref, x)
+    return net, ref, dp, fresh, x
+
+
 def assert_steps_match(
     dp: nn.Module,
     net: nn.Module,
@@ -157,11 +168,7 @@ def test_parked_replicas_keep_no_tensors_alive():
     ],
 )
 def test_changes_between_forwards_show_up_in_kept_replicas(change):
-    net, ref = pair()
-    dp, fresh = wrap_both(net, ref, cpu_devices(2))
-    x = torch.randn(8, 4)
-    step(dp, net, x)
-    step(fresh, ref, x)
+    net, ref, dp, fresh, x = started(2, 8)
     for m in (net, ref):
         torch.manual_seed(5)
         if change == "eval":
@@ -191,11 +198,7 @@ def test_changes_between_forwards_show_up_in_kept_replicas(change):
 
 @pytest.mark.parametrize("change", ["add_child", "class", "devices"])
 def test_structure_changes_build_new_replicas(change):
-    net, ref = pair()
-    dp, fresh = wrap_both(net, ref, cpu_devices(3))
-    x = torch.randn(9, 4)
-    step(dp, net, x)
-    step(fresh, ref, x)
+    net, ref, dp, fresh, x = started(3, 9)
 
     class Scaled(nn.Linear):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -664,11 +667,7 @@ def test_stale_attributes_move_with_kept_replicas(held):
 def test_a_submodule_replaced_by_one_of_its_class_refills_the_kept_replicas():
     # The refill takes everything from this forward's walk: the kept objects only need the same
     # classes in the same positions.
-    net, ref = pair()
-    dp, fresh = wrap_both(net, ref, cpu_devices(2))
-    x = torch.randn(8, 4)
-    step(dp, net, x)
-    step(fresh, ref, x)
+    net, ref, dp, fresh, x = started(2, 8)
     torch.manual_seed(7)
     net.b = nn.Linear(6, 3)
     ref.b = copy.deepcopy(net.b)
