@@ -1,6 +1,7 @@
-"""torchdp inside DistributedDataParallel: several processes (one per host in real use), each
-driving its own devices with ``torchdp.DataParallel``; DDP all-reduces the gradients that torchdp
-has summed into each process's model.
+"""torchdp over several processes (one per host in real use), each driving its own devices with
+``torchdp.DataParallel``: the gradients that torchdp has summed into each process's model are
+averaged over the processes by its ``process_group`` option (``--sync process_group``, the
+default) or by an enclosing DistributedDataParallel (``--sync ddp``).
 
 Here the processes run on one machine and talk over gloo. Every process takes its share of each
 global batch; at the end the weights of every process must equal those of one process training the
@@ -10,6 +11,7 @@ Usage::
 
     python examples/python/train_multiprocess.py                     # 2 processes x [cpu, cpu]
     python examples/python/train_multiprocess.py --procs 2 --devices cuda:0,cuda:1 --steps 50
+    python examples/python/train_multiprocess.py --sync ddp
 """
 
 from __future__ import annotations
@@ -45,12 +47,19 @@ def batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     ]
 
 
-def worker(rank: int, procs: int, store: str, devices: list[str], steps: int, out_dir: str) -> None:
+def worker(
+    rank: int, procs: int, store: str, devices: list[str], steps: int, out_dir: str, sync: str
+) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=procs)
     try:
         device_list = [torch.device(d) for d in devices]
         model = build_model().to(device_list[0])
-        ddp = nn.parallel.DistributedDataParallel(torchdp.DataParallel(model, devices=device_list))
+        if sync == "process_group":
+            ddp = torchdp.DataParallel(model, devices=device_list, process_group=dist.group.WORLD)
+        else:
+            ddp = nn.parallel.DistributedDataParallel(
+                torchdp.DataParallel(model, devices=device_list)
+            )
         opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
         started = time.perf_counter()
         for step, (x, y) in enumerate(batches(steps), 1):
@@ -84,20 +93,28 @@ def main() -> int:
         "--devices", default="cpu,cpu", help="devices of each process's torchdp.DataParallel"
     )
     parser.add_argument("--steps", type=int, default=30, help="training steps (default 30)")
+    parser.add_argument(
+        "--sync",
+        choices=["process_group", "ddp"],
+        default="process_group",
+        help="what averages the gradients over the processes: torchdp.DataParallel's "
+        "process_group option or an enclosing DistributedDataParallel (default process_group)",
+    )
     args = parser.parse_args()
     if args.procs < 1 or BATCH % args.procs:
         parser.error(f"--procs must divide the batch of {BATCH}, got {args.procs}")
     devices = [d.strip() for d in args.devices.split(",") if d.strip()]
     print(
         f"{args.procs} processes (gloo), each torchdp.DataParallel over {devices}, "
-        f"{args.steps} steps of {BATCH} samples",
+        f"{args.steps} steps of {BATCH} samples, gradients averaged by {args.sync}",
         flush=True,
     )
     with tempfile.TemporaryDirectory() as tmp:
         ctx = mp.get_context("spawn")
         procs = [
             ctx.Process(
-                target=worker, args=(r, args.procs, f"{tmp}/store", devices, args.steps, tmp)
+                target=worker,
+                args=(r, args.procs, f"{tmp}/store", devices, args.steps, tmp, args.sync),
             )
             for r in range(args.procs)
         ]

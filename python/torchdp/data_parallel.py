@@ -3,12 +3,13 @@ and ``torch.nn.parallel.data_parallel``."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import operator
 import sys
 import warnings
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from itertools import chain
 from typing import Any, TypeVar
 
@@ -24,6 +25,7 @@ from torch._utils import (
 from torchdp import _C
 from torchdp._attributes import check_stale_attribute_policy
 from torchdp._graphs import MAX_SIGNATURES, GraphedReplicas
+from torchdp._process_group import ProcessGroupSync, check_process_group
 from torchdp.parallel_apply import parallel_apply
 from torchdp.replicate import (
     _bucket_bytes,
@@ -141,6 +143,14 @@ def _resolve_explicit(
     return device_list, output
 
 
+def _check_graphs_and_group(cuda_graphs: int, api: str) -> None:
+    if cuda_graphs:
+        raise ValueError(
+            f"{api}: process_group cannot be combined with cuda_graphs=True (graphed replicas "
+            "deliver their gradients outside the hooks that average them); drop one of the two"
+        )
+
+
 def _check_cuda_graphs(cuda_graphs: Any) -> int:
     """0 (off) or the number of input signatures to capture (True: MAX_SIGNATURES)."""
     if cuda_graphs is True:
@@ -162,6 +172,10 @@ def _check_cuda_graphs(cuda_graphs: Any) -> int:
 # The graphed replicas of each DataParallel with cuda_graphs (outside the module, so that copying
 # or pickling the wrapper never meets CUDA graphs; they are rebuilt at the next forward).
 _GRAPHED: weakref.WeakKeyDictionary[nn.Module, GraphedReplicas] = weakref.WeakKeyDictionary()
+
+# The gradient averaging of each DataParallel with a process_group (outside the module: a process
+# group can be neither copied nor pickled).
+_SYNCS: weakref.WeakKeyDictionary[nn.Module, ProcessGroupSync] = weakref.WeakKeyDictionary()
 
 # The replicas each DataParallel keeps between forwards (cache_replicas; Note [Kept replicas] in
 # csrc/python/replicate_py.cpp), outside the module for the same reasons; and those data_parallel()
@@ -304,6 +318,19 @@ class DataParallel(_TorchDataParallel[T]):
             or ``__new__``, or with ``__slots__``, and compiled modules, get new replicas every
             time. ``False`` builds new replicas at every forward, as
             ``torch.nn.DataParallel`` does. Default: ``True``.
+        process_group (torch.distributed.ProcessGroup, keyword-only): average the gradients
+            over the processes of this group after each backward pass, as
+            ``DistributedDataParallel`` does (one process per host, each driving its own devices
+            with torchdp). At the first forward every process takes group rank 0's parameters and
+            buffers (the modules must match); the backward of a forward with grad mode on, outside
+            :meth:`no_sync`, then leaves every parameter's ``.grad`` averaged over the group (a
+            parameter without a gradient in this process takes part with zeros). Every process
+            must run the same forwards and backward passes. Not with ``cuda_graphs``; the group
+            is not copied or pickled with the wrapper. See Note [Reducing across processes] in
+            ``torchdp/_process_group.py``. Default: ``None``.
+        broadcast_buffers (bool, keyword-only): with a :attr:`process_group`, every forward with
+            grad mode on (outside :meth:`no_sync`) first copies group rank 0's buffers to the
+            other processes, as in ``DistributedDataParallel``. Default: ``True``.
 
     Attributes:
         module (Module): the module to be parallelized.
@@ -323,6 +350,8 @@ class DataParallel(_TorchDataParallel[T]):
     stale_attributes: str | None = None
     cuda_graphs: int = 0
     cache_replicas: bool = True
+    broadcast_buffers: bool = True
+    require_backward_grad_sync: bool = True
     _place_module: bool = False
     _placed: bool = False
 
@@ -341,6 +370,8 @@ class DataParallel(_TorchDataParallel[T]):
         stale_attributes: str | None = None,
         cuda_graphs: bool | int = False,
         cache_replicas: bool = True,
+        process_group: Any = None,
+        broadcast_buffers: bool = True,
     ) -> None:
         # Deliberately not torch.nn.DataParallel.__init__: the base class is only there for
         # isinstance checks.
@@ -358,6 +389,9 @@ class DataParallel(_TorchDataParallel[T]):
         )
         self.cuda_graphs = _check_cuda_graphs(cuda_graphs)
         self.cache_replicas = bool(cache_replicas)
+        self.broadcast_buffers = bool(broadcast_buffers)
+        self.require_backward_grad_sync = True
+        self.process_group = process_group
 
         if devices is not None:
             device_list, self.output_device = _resolve_explicit(
@@ -410,6 +444,39 @@ class DataParallel(_TorchDataParallel[T]):
         if len(self.device_ids) == 1:
             self.module.to(self.src_device_obj)
 
+    @property
+    def process_group(self) -> Any:
+        """The ``torch.distributed`` process group the gradients are averaged over, or None.
+
+        Assigning a group (or None) takes effect at the next forward; the group itself is not
+        copied or pickled with the wrapper (a copy or a loaded wrapper has none).
+        """
+        sync = _SYNCS.get(self)
+        return None if sync is None else sync.group
+
+    @process_group.setter
+    def process_group(self, group: Any) -> None:
+        api = "torchdp.DataParallel"
+        group = check_process_group(group, api)
+        if group is None:
+            _SYNCS.pop(self, None)
+            return
+        _check_graphs_and_group(self.cuda_graphs, api)
+        _SYNCS[self] = ProcessGroupSync(group)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Forwards inside this context do not average their gradients over the
+        :attr:`process_group` in their backward pass (gradient accumulation, as
+        ``DistributedDataParallel.no_sync``); the first backward of a forward outside it averages
+        everything accumulated. Without a process group it changes nothing."""
+        old = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = old
+
     def _check_or_place_module(self) -> None:
         found = _check_module_device(self.module, self.src_device_obj)
         if found is not None and self._place_module and not self._placed:
@@ -421,59 +488,74 @@ class DataParallel(_TorchDataParallel[T]):
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         with torch.autograd.profiler.record_function("DataParallel.forward"):
-            if not self.device_ids:
-                output = self.module(*inputs, **kwargs)
+            sync = _SYNCS.get(self)
+            if sync is None:
+                return self._forward(inputs, kwargs)
+            api = "torchdp.DataParallel"
+            _check_graphs_and_group(self.cuda_graphs, api)
+            if self.device_ids:
+                self._check_or_place_module()  # the state is synchronised where it will run
+            grad_sync = torch.is_grad_enabled() and self.require_backward_grad_sync
+            sync.before_forward(self.module, api, grad_sync and self.broadcast_buffers)
+            outputs = self._forward(inputs, kwargs)
+            if grad_sync:
+                sync.watch(self.module, outputs, _bucket_bytes(self.bucket_cap_mb, api))
+            return outputs
+
+    def _forward(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if not self.device_ids:
+            output = self.module(*inputs, **kwargs)
+            return output if self.gather_output else [output]
+
+        self._check_or_place_module()
+
+        inputs, module_kwargs = self.scatter(inputs, kwargs, self.device_ids)
+        # An overridden scatter may say "no keyword arguments" with None (as parallel_apply).
+        if module_kwargs is None:
+            module_kwargs = tuple({} for _ in inputs)
+        # A forward without arguments runs once, on device_ids[0].
+        if not inputs and not module_kwargs:
+            inputs = ((),)
+            module_kwargs = ({},)
+
+        outputs = None
+        if self.cuda_graphs:
+            outputs = self._graphed_outputs(inputs, module_kwargs)
+            if outputs is not None and len(self.device_ids) == 1:
+                return outputs[0] if self.gather_output else outputs
+        if outputs is None:
+            if len(self.device_ids) == 1:
+                output = self.module(*inputs[0], **module_kwargs[0])
                 return output if self.gather_output else [output]
-
-            self._check_or_place_module()
-
-            inputs, module_kwargs = self.scatter(inputs, kwargs, self.device_ids)
-            # An overridden scatter may say "no keyword arguments" with None (as parallel_apply).
-            if module_kwargs is None:
-                module_kwargs = tuple({} for _ in inputs)
-            # A forward without arguments runs once, on device_ids[0].
-            if not inputs and not module_kwargs:
-                inputs = ((),)
-                module_kwargs = ({},)
-
-            outputs = None
-            if self.cuda_graphs:
-                outputs = self._graphed_outputs(inputs, module_kwargs)
-                if outputs is not None and len(self.device_ids) == 1:
-                    return outputs[0] if self.gather_output else outputs
-            if outputs is None:
-                if len(self.device_ids) == 1:
-                    output = self.module(*inputs[0], **module_kwargs[0])
-                    return output if self.gather_output else [output]
-                _check_kwargs_chunks(inputs, module_kwargs, self.dim)
-                # Note [Buffers of failed forwards]: replica 0 updates the module's buffers in
-                # place; a failure anywhere from here to the gather writes them back.
-                buffers = None
-                _expect_buffer_snapshot(self.module)
+            _check_kwargs_chunks(inputs, module_kwargs, self.dim)
+            # Note [Buffers of failed forwards]: replica 0 updates the module's buffers in
+            # place; a failure anywhere from here to the gather writes them back.
+            buffers = None
+            _expect_buffer_snapshot(self.module)
+            try:
                 try:
-                    try:
-                        replicas = self.replicate(self.module, self.device_ids[: len(inputs)])
-                    finally:
-                        buffers = _buffer_snapshot(self.module, fallback=True)
-                    try:
-                        outputs = self.parallel_apply(replicas, inputs, module_kwargs)
-                    finally:
-                        # Note [Kept replicas]: taken back only when nothing holds them (after a
-                        # failure the traceback does, and they are dropped at once).
-                        del replicas
-                        cache = _weak_entry(_REPLICA_CACHES, self, None)
-                        if cache is not None:
-                            cache.park()
-                    if not self.gather_output:
-                        return list(outputs)
-                    return self.gather(outputs, self.output_device)
-                except BaseException:
-                    if buffers is not None:
-                        buffers.restore()
-                    raise
-            if not self.gather_output:
-                return list(outputs)
-            return self.gather(outputs, self.output_device)
+                    replicas = self.replicate(self.module, self.device_ids[: len(inputs)])
+                finally:
+                    buffers = _buffer_snapshot(self.module, fallback=True)
+                try:
+                    outputs = self.parallel_apply(replicas, inputs, module_kwargs)
+                finally:
+                    # Note [Kept replicas]: taken back only when nothing holds them (after a
+                    # failure the traceback does, and they are dropped at once).
+                    del replicas
+                    cache = _weak_entry(_REPLICA_CACHES, self, None)
+                    if cache is not None:
+                        cache.park()
+                if not self.gather_output:
+                    return list(outputs)
+                return self.gather(outputs, self.output_device)
+            except BaseException:
+                if buffers is not None:
+                    buffers.restore()
+                raise
+        if not self.gather_output:
+            return list(outputs)
+        return self.gather(outputs, self.output_device)
 
     def _graphed_outputs(self, inputs: Any, kwargs: Any) -> list[Any] | None:
         graphed = _GRAPHED.get(self)

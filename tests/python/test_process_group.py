@@ -1,0 +1,312 @@
+"""torchdp.DataParallel(process_group=...): gradients averaged over processes (Note [Reducing
+across processes]). Two processes on one machine, each driving its own devices with torchdp,
+must train like one process on the whole batch."""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import torchdp
+
+WORLD = 2
+STEPS = 3
+BATCH = 16  # the global batch: each process takes BATCH / WORLD rows
+
+
+def _mlp(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4)
+    )
+
+
+class _Branchy(nn.Module):
+    """``extra`` takes part only when the forward is asked to use it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(5)
+        self.body = nn.Linear(8, 4)
+        self.extra = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor, use_extra: bool = False) -> torch.Tensor:
+        y = self.body(x)
+        return y + self.extra(x) if use_extra else y
+
+
+def _bn(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [
+        (torch.randn(BATCH, 8, generator=g), torch.randn(BATCH, 4, generator=g))
+        for _ in range(STEPS)
+    ]
+
+
+def _wrap(model: nn.Module, devices: list[str] | None, **kwargs) -> torchdp.DataParallel:
+    if devices is None:  # no device list: the wrapper's default (a passthrough without GPUs)
+        return torchdp.DataParallel(model, **kwargs)
+    device_list = [torch.device(d) for d in devices]
+    return torchdp.DataParallel(model.to(device_list[0]), devices=device_list, **kwargs)
+
+
+def _input_device(devices: list[str] | None) -> torch.device:
+    if devices:
+        return torch.device(devices[0])
+    return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _train(rank: int, devices: list[str] | None, accumulate: bool) -> list[torch.Tensor]:
+    """Each process starts from its own initialisation (rank 0's is taken at the first
+    forward) and trains on its half of every batch."""
+    dev = _input_device(devices)
+    dp = _wrap(_mlp(seed=rank), devices, process_group=dist.group.WORLD)
+    opt = torch.optim.SGD(dp.parameters(), lr=0.1)
+    for x, y in _batches():
+        x, y = x.chunk(WORLD)[rank].to(dev), y.chunk(WORLD)[rank].to(dev)
+        opt.zero_grad(set_to_none=True)
+        if accumulate:
+            (xa, xb), (ya, yb) = x.chunk(2), y.chunk(2)
+            with dp.no_sync():
+                (nn.functional.mse_loss(dp(xa), ya) / 2).backward()
+            (nn.functional.mse_loss(dp(xb), yb) / 2).backward()
+        else:
+            nn.functional.mse_loss(dp(x), y).backward()
+        opt.step()
+    return [p.detach().cpu() for p in dp.module.parameters()]
+
+
+def _scenarios(rank: int, devices: list[str] | None) -> dict:
+    dev = _input_device(devices)
+    out: dict = {
+        "trained": _train(rank, devices, False),
+        "accumulated": _train(rank, devices, True),
+    }
+
+    # A parameter used in one process only: both get the average, zeros counted for the other.
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(10 + rank)).to(dev)
+    dp = _wrap(_Branchy(), devices, process_group=dist.group.WORLD)
+    dp(x, use_extra=rank == 1).sum().backward()
+    out["extra_grad"] = dp.module.extra.weight.grad.cpu()
+    local = _Branchy()
+    local(x.cpu(), use_extra=rank == 1).sum().backward()
+    out["local_extra_grad"] = local.extra.weight.grad
+
+    # torch.autograd.grad of the input: no parameter gradient appears, nothing is reduced.
+    dp.zero_grad(set_to_none=True)
+    xi = x.clone().requires_grad_()
+    (gx,) = torch.autograd.grad(dp(xi).sum(), xi)
+    out["grad_of_input_param_grads"] = [p.grad for p in dp.parameters()]
+    out["grad_of_input"] = gx.cpu()
+
+    # Buffers: rank 0's at every forward with grad mode on, unless broadcast_buffers=False.
+    for broadcast in (True, False):
+        bn = _wrap(
+            _bn(seed=3), devices, process_group=dist.group.WORLD, broadcast_buffers=broadcast
+        )
+        for x, _ in _batches():
+            bn(x.chunk(WORLD)[rank].to(dev))
+        bn.eval()
+        bn(x.to(dev))  # grad mode on: takes rank 0's running statistics first (when broadcasting)
+        out[f"running_mean_{broadcast}"] = bn.module[1].running_mean.cpu()
+
+    # Modules that differ between processes are refused by both.
+    try:
+        _wrap(nn.Linear(8, 4 + rank), devices, process_group=dist.group.WORLD)(x.to(dev))
+        out["mismatch"] = None
+    except RuntimeError as exc:
+        out["mismatch"] = str(exc)
+    return out
+
+
+def _worker(rank: int, backend: str, store: str, out_dir: str, devices: list[list[str] | None]):
+    code = 0
+    try:
+        dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=WORLD)
+        try:
+            torch.save(_scenarios(rank, devices[rank]), os.path.join(out_dir, f"{rank}.pt"))
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001  printed, and the exit code says it failed
+        traceback.print_exc()
+        code = 1
+    # As in test_distributed.py: skip interpreter finalisation (gloo's teardown at exit sometimes
+    # aborts with the torch builds tested here); the results are saved by now.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _run(tmp_path, devices: list[list[str] | None], backend: str = "gloo") -> list[dict]:
+    ctx = mp.get_context("spawn")
+    store = str(tmp_path / "store")
+    procs = [
+        ctx.Process(target=_worker, args=(r, backend, store, str(tmp_path), devices))
+        for r in range(WORLD)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=240)
+    codes = [p.exitcode for p in procs]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert codes == [0] * WORLD, f"worker exit codes {codes} (tracebacks above)"
+    return [torch.load(tmp_path / f"{r}.pt") for r in range(WORLD)]
+
+
+def _reference(accumulate: bool) -> list[torch.Tensor]:
+    """Rank 0's model trained by one process on the whole batches."""
+    model = _mlp(seed=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x, y in _batches():
+        opt.zero_grad(set_to_none=True)
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    return [p.detach() for p in model.parameters()]
+
+
+def _check(results: list[dict]) -> None:
+    for key, accumulate in (("trained", False), ("accumulated", True)):
+        want = _reference(accumulate)
+        for rank, res in enumerate(results):
+            for got, ref in zip(res[key], want, strict=True):
+                torch.testing.assert_close(
+                    got,
+                    ref,
+                    rtol=1e-5,
+                    atol=1e-6,
+                    msg=lambda m, k=key, r=rank: f"{k}, rank {r}: {m}",
+                )
+
+    half = results[1]["local_extra_grad"] / 2
+    assert results[0]["local_extra_grad"] is None
+    for res in results:
+        torch.testing.assert_close(res["extra_grad"], half)
+
+    for res in results:
+        assert res["grad_of_input_param_grads"] == [None] * 4
+        assert res["grad_of_input"].abs().sum() > 0
+
+    torch.testing.assert_close(results[0]["running_mean_True"], results[1]["running_mean_True"])
+    assert not torch.equal(results[0]["running_mean_False"], results[1]["running_mean_False"])
+
+    for res in results:
+        msg = res["mismatch"]
+        assert msg is not None and "torchdp.DataParallel" in msg
+        assert "wrap different modules" in msg
+        assert "group rank 1 has 2 parameters (45 elements)" in msg
+        assert "group rank 0 has 2 parameters (36 elements)" in msg
+
+
+@pytest.mark.parametrize("delivery", ["join", "bucket"])
+def test_two_processes_on_cpu_device_lists_match_whole_batch_training(
+    tmp_path, monkeypatch, delivery
+):
+    # Small torchdp buckets: with "bucket", several reductions run inside each pass, and the
+    # average must wait for all of them (it is queued after their callback).
+    monkeypatch.setenv("TORCHDP_GRAD_DELIVERY", delivery)
+    monkeypatch.setenv("TORCHDP_GRAD_BUCKET_MB", "0.001")
+    _check(_run(tmp_path, [["cpu", "cpu"], ["cpu", "cpu"]]))
+
+
+def test_two_processes_with_default_wrappers(tmp_path):
+    # No device list: a passthrough without GPUs (CI), torchdp over every GPU with them.
+    _check(_run(tmp_path, [None, None]))
+
+
+@pytest.mark.needs_cuda
+def test_two_processes_on_one_gpu(tmp_path):
+    _check(_run(tmp_path, [["cuda:0", "cuda:0"], ["cuda:0", "cuda:0"]]))
+
+
+@pytest.mark.needs_multi_gpu
+def test_two_processes_on_their_own_gpu_over_nccl(tmp_path):
+    _check(_run(tmp_path, [["cuda:0", "cuda:0"], ["cuda:1", "cuda:1"]], backend="nccl"))
+
+
+# -- one process -------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def world_of_one(tmp_path):
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+def test_process_group_needs_an_initialised_default_group():
+    assert not dist.is_initialized()
+    with pytest.raises(
+        RuntimeError,
+        match=r"torchdp.DataParallel: process_group was given but "
+        r"torch.distributed is not initialized; call torch.distributed",
+    ):
+        torchdp.DataParallel(nn.Linear(2, 2), process_group=object())
+
+
+def test_process_group_type_and_cuda_graphs_are_checked(world_of_one):
+    with pytest.raises(
+        TypeError,
+        match=r"process_group must be a torch.distributed.ProcessGroup "
+        r".*got str",
+    ):
+        torchdp.DataParallel(nn.Linear(2, 2), process_group="world")
+    with pytest.raises(ValueError, match="not a member of the process_group"):
+        torchdp.DataParallel(nn.Linear(2, 2), process_group=dist.GroupMember.NON_GROUP_MEMBER)
+    with pytest.raises(ValueError, match="process_group cannot be combined with cuda_graphs"):
+        torchdp.DataParallel(nn.Linear(2, 2), cuda_graphs=True, process_group=world_of_one)
+    # Switched on after construction: refused at the forward.
+    dp = torchdp.DataParallel(nn.Linear(2, 2), process_group=world_of_one)
+    dp.cuda_graphs = 8
+    with pytest.raises(ValueError, match="process_group cannot be combined with cuda_graphs"):
+        dp(torch.randn(2, 2))
+
+
+def test_process_group_attribute_and_copies(world_of_one):
+    import copy
+    import pickle
+
+    dp = torchdp.DataParallel(
+        nn.Linear(2, 2), devices=[torch.device("cpu")] * 2, process_group=world_of_one
+    )
+    assert dp.process_group is world_of_one
+    assert torchdp.DataParallel(nn.Linear(2, 2)).process_group is None
+    # The group travels neither with copies nor with pickles; the rest of the wrapper does.
+    clone = copy.deepcopy(dp)
+    assert clone.process_group is None and clone.broadcast_buffers is True
+    assert pickle.loads(pickle.dumps(dp)).process_group is None
+    dp.process_group = None
+    assert dp.process_group is None
+    dp.process_group = world_of_one
+    assert dp.process_group is world_of_one
+
+
+def test_group_of_one_trains_as_plain_module(world_of_one):
+    model = _mlp(seed=0)
+    dp = torchdp.DataParallel(model, devices=[torch.device("cpu")] * 2, process_group=world_of_one)
+    plain = _mlp(seed=0)
+    x, y = _batches()[0]
+    nn.functional.mse_loss(dp(x), y).backward()
+    nn.functional.mse_loss(plain(x), y).backward()
+    for got, want in zip(model.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-5, atol=1e-6)
+    with dp.no_sync():
+        assert dp.require_backward_grad_sync is False
+    assert dp.require_backward_grad_sync is True
