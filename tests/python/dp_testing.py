@@ -395,3 +395,33 @@ def assert_gpu_bound_buckets_ordered(
             torch.testing.assert_close(
                 g, q.grad, rtol=1e-3, atol=1e-6, msg=f"attempt {attempt}, gradient of {name}"
             )
+
+
+def run_processes(target: Callable[..., None], args_of_rank: Callable[[int], tuple], world: int):
+    """Runs ``target(*args_of_rank(rank))`` in ``world`` spawned processes and checks that every
+    one exits with 0 (their tracebacks are printed above the failure)."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=target, args=args_of_rank(r)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=240)
+    codes = [p.exitcode for p in procs]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert codes == [0] * world, f"worker exit codes {codes} (tracebacks above)"
+
+
+def exit_process(code: int) -> None:
+    """Ends a spawned worker without interpreter finalisation: with the torch builds tested here,
+    gloo's teardown at exit sometimes aborts ("terminate called without an active exception"),
+    with or without torchdp (plain DDP on gloo does it too); the results are saved by then."""
+    import os
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -5,15 +5,14 @@ processes by DDP. Training must match one process training the plain module on t
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 import torchdp
+from dp_testing import exit_process, run_processes
 
 WORLD = 2
 STEPS = 3
@@ -62,30 +61,12 @@ def _worker(rank: int, store: str, out_dir: str, devices: list[str], accumulate:
         dist.barrier()
     finally:
         dist.destroy_process_group()
-    # Skip interpreter finalisation: with the torch builds tested here, gloo's teardown at exit
-    # sometimes aborts ("terminate called without an active exception"), with or without
-    # torchdp (plain DDP on gloo does it too); the results are saved by now.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_process(0)
 
 
 def _run(tmp_path, devices: list[str], accumulate: bool = False) -> None:
-    ctx = mp.get_context("spawn")
     store = str(tmp_path / "store")
-    procs = [
-        ctx.Process(target=_worker, args=(r, store, str(tmp_path), devices, accumulate))
-        for r in range(WORLD)
-    ]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=240)
-    codes = [p.exitcode for p in procs]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    assert codes == [0] * WORLD, f"worker exit codes {codes} (tracebacks above)"
+    run_processes(_worker, lambda r: (r, store, str(tmp_path), devices, accumulate), WORLD)
 
     reference = _model()
     opt = torch.optim.SGD(reference.parameters(), lr=0.1)

@@ -5,16 +5,15 @@ must train like one process on the whole batch."""
 from __future__ import annotations
 
 import os
-import sys
 import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 import torchdp
+from dp_testing import exit_process, run_processes
 
 WORLD = 2
 STEPS = 3
@@ -143,29 +142,12 @@ def _worker(rank: int, backend: str, store: str, out_dir: str, devices: list[lis
     except BaseException:  # noqa: BLE001  printed, and the exit code says it failed
         traceback.print_exc()
         code = 1
-    # As in test_distributed.py: skip interpreter finalisation (gloo's teardown at exit sometimes
-    # aborts with the torch builds tested here); the results are saved by now.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    exit_process(code)
 
 
 def _run(tmp_path, devices: list[list[str] | None], backend: str = "gloo") -> list[dict]:
-    ctx = mp.get_context("spawn")
     store = str(tmp_path / "store")
-    procs = [
-        ctx.Process(target=_worker, args=(r, backend, store, str(tmp_path), devices))
-        for r in range(WORLD)
-    ]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=240)
-    codes = [p.exitcode for p in procs]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    assert codes == [0] * WORLD, f"worker exit codes {codes} (tracebacks above)"
+    run_processes(_worker, lambda r: (r, backend, store, str(tmp_path), devices), WORLD)
     return [torch.load(tmp_path / f"{r}.pt") for r in range(WORLD)]
 
 
