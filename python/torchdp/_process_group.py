@@ -259,18 +259,24 @@ class _PassHook:
         self.sync = sync
         self.layout = layout
         self.passes: set[int] = set()
+        # Outputs on several devices (gather_output=False) reach their hooks on several autograd
+        # threads at once: one of them queues the reduction, or the processes could disagree on
+        # how many reductions a pass makes.
+        self.lock = threading.Lock()
 
     def __call__(self, grad: torch.Tensor) -> None:
         task = torch._C._current_graph_task_id()
-        if task in self.passes:
-            return
-        self.passes.add(task)
+        with self.lock:
+            if task in self.passes:
+                return
+            self.passes.add(task)
         if not any(torch._C._will_engine_execute_node(n) for n in self.layout.nodes):
             return  # torch.autograd.grad of something else: no parameter gradient changes
         sync, layout = self.sync, self.layout
 
         def later() -> None:
-            self.passes.discard(task)
+            with self.lock:
+                self.passes.discard(task)
             _queue(lambda: sync.reduce(layout))
 
         _queue(later)

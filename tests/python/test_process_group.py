@@ -94,6 +94,13 @@ def _scenarios(rank: int, devices: list[str] | None) -> dict:
         "accumulated": _train(rank, devices, True),
     }
 
+    # Per-replica outputs and losses (gather_output=False): the hooks are on every replica's
+    # output; one reduction per pass all the same.
+    dp = _wrap(_mlp(seed=rank), devices, process_group=dist.group.WORLD, gather_output=False)
+    x, y = (t.chunk(WORLD)[rank].to(dev) for t in _batches()[0])
+    torchdp.DataParallelCriterion(nn.MSELoss())(dp(x), y).backward()
+    out["per_replica_grads"] = [p.grad.cpu() for p in dp.module.parameters()]
+
     # A parameter used in one process only: both get the average, zeros counted for the other.
     x = torch.randn(6, 8, generator=torch.Generator().manual_seed(10 + rank)).to(dev)
     dp = _wrap(_Branchy(), devices, process_group=dist.group.WORLD)
@@ -174,6 +181,13 @@ def _check(results: list[dict]) -> None:
                     atol=1e-6,
                     msg=lambda m, k=key, r=rank: f"{k}, rank {r}: {m}",
                 )
+
+    model = _mlp(seed=0)
+    x, y = _batches()[0]
+    nn.functional.mse_loss(model(x), y).backward()
+    for rank, res in enumerate(results):
+        for got, p in zip(res["per_replica_grads"], model.parameters(), strict=True):
+            torch.testing.assert_close(got, p.grad, rtol=1e-5, atol=1e-6)
 
     half = results[1]["local_extra_grad"] / 2
     assert results[0]["local_extra_grad"] is None
