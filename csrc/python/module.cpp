@@ -20,4 +20,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   torchdp::python::init_core(m);
   torchdp::python::init_replicate(m);
+  torchdp::python::init_testing(m);
 }

@@ -115,12 +115,52 @@ std::vector<at::Tensor> DataParallelImpl::ensure_placement() {
               "DataParallelOptions().place_module(true) to let it move the module itself");
 }
 
+NoSync::NoSync(DataParallelImpl& dp) : dp_(dp), previous_(dp.require_backward_grad_sync_) {
+  dp_.require_backward_grad_sync_ = false;
+}
+
+NoSync::~NoSync() {
+  dp_.require_backward_grad_sync_ = previous_;
+}
+
 std::vector<at::Tensor> DataParallelImpl::run(std::vector<at::Tensor> inputs, const Call& call,
                                               std::shared_ptr<BufferSnapshot>* buffers) {
   for (const auto i : c10::irange(inputs.size())) {
     TORCH_CHECK(inputs[i].defined(), kApi, ": forward argument ", i, " is an undefined tensor");
   }
   check_fixed_options();
+#if TORCHDP_WITH_C10D
+  const auto& group = options.process_group();
+  if (!group) {
+    sync_.reset();
+    return run_here(std::move(inputs), call, buffers);
+  }
+  TORCH_CHECK(!options.cuda_graphs(), kApi,
+              ": options.process_group cannot be combined with cuda_graphs (graphed replicas "
+              "deliver their gradients outside the hooks that average them); drop one of the two");
+  if (!sync_ || sync_->group() != group) {
+    sync_ = std::make_shared<detail::ProcessGroupSync>(group, kApi);
+  }
+  if (!device_ids_.empty()) {
+    ensure_placement(); // the state is synchronised where it will run
+  }
+  const bool grad_sync = c10::GradMode::is_enabled() && require_backward_grad_sync_;
+  sync_->before_forward(*module_, grad_sync && options.broadcast_buffers());
+  auto outputs = run_here(std::move(inputs), call, buffers);
+  if (grad_sync) {
+    sync_->watch(*module_, outputs,
+                 options.bucket_cap_mb()
+                     ? autograd::bucket_bytes_from_mib(*options.bucket_cap_mb(), kApi)
+                     : autograd::kDefaultGradBucketSize);
+  }
+  return outputs;
+#else
+  return run_here(std::move(inputs), call, buffers);
+#endif
+}
+
+std::vector<at::Tensor> DataParallelImpl::run_here(std::vector<at::Tensor> inputs, const Call& call,
+                                                   std::shared_ptr<BufferSnapshot>* buffers) {
   if (device_ids_.empty()) {
     return {call(any_, inputs)};
   }

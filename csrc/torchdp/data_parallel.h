@@ -5,6 +5,7 @@
 #include <torchdp/devices.h>
 #include <torchdp/errors.h>
 #include <torchdp/parallel_apply.h>
+#include <torchdp/process_group.h>
 #include <torchdp/replicate.h>
 
 #include <c10/core/Device.h>
@@ -48,6 +49,37 @@ struct DataParallelOptions {
   /// CPU, no data-dependent shapes). CUDA devices only, in builds with TORCHDP_WITH_CUDA. See
   /// Note [Graphed replicas in C++] in torchdp/cuda/graphed_replicas.h.
   TORCH_ARG(bool, cuda_graphs) = false;
+#if TORCHDP_WITH_C10D
+  /// Average the gradients over the processes of this c10d group after each backward pass, as
+  /// DistributedDataParallel does (one process per host, each driving its own devices). At the
+  /// first forward every process takes group rank 0's parameters and buffers (the modules must
+  /// match); the backward pass of a forward with grad mode on, outside no_sync(), then leaves
+  /// every parameter's grad averaged over the group (a parameter without a gradient in this
+  /// process takes part with zeros). Every process must run the same forwards and backward
+  /// passes. Not with cuda_graphs. Read at every forward. See Note [Reducing across processes]
+  /// in torchdp/process_group.cpp. Default: none.
+  TORCH_ARG(c10::intrusive_ptr<c10d::ProcessGroup>, process_group);
+  /// With a process_group, every forward with grad mode on (outside no_sync()) first copies
+  /// group rank 0's buffers to the other processes, as DistributedDataParallel does.
+  TORCH_ARG(bool, broadcast_buffers) = true;
+#endif
+};
+
+class DataParallelImpl;
+
+/// While it lives, the forwards of a DataParallel do not average their gradients over its
+/// process_group in their backward pass (gradient accumulation, as DDP's no_sync()); the first
+/// backward of a forward after it averages everything accumulated. See DataParallelImpl::no_sync.
+class NoSync {
+ public:
+  explicit NoSync(DataParallelImpl& dp);
+  ~NoSync();
+  NoSync(const NoSync&) = delete;
+  NoSync& operator=(const NoSync&) = delete;
+
+ private:
+  DataParallelImpl& dp_;
+  bool previous_;
 };
 
 /// Data parallelism over the devices of one process, as a module: every forward splits its tensor
@@ -128,6 +160,22 @@ class DataParallelImpl : public torch::nn::Module {
   /// With options.cuda_graphs: how many input signatures were captured as CUDA graphs so far.
   int64_t graph_captures() const;
 
+  /// Gradient accumulation with a process_group: forwards made while the returned guard lives
+  /// do not average their gradients in their backward pass.
+  ///
+  ///   {
+  ///     auto guard = model->no_sync();
+  ///     model->forward(x1).sum().backward();   // accumulates only
+  ///   }
+  ///   model->forward(x2).sum().backward();     // averages everything accumulated
+  [[nodiscard]] std::unique_ptr<NoSync> no_sync() {
+    return std::make_unique<NoSync>(*this);
+  }
+  /// False while a no_sync() guard lives.
+  bool require_backward_grad_sync() const {
+    return require_backward_grad_sync_;
+  }
+
   void pretty_print(std::ostream& stream) const override;
 
   DataParallelOptions options;
@@ -168,6 +216,9 @@ class DataParallelImpl : public torch::nn::Module {
   // (Note [Buffers of failed forwards]); the copy is handed out through `buffers` when given.
   std::vector<at::Tensor> run(std::vector<at::Tensor> inputs, const Call& call,
                               std::shared_ptr<BufferSnapshot>* buffers = nullptr);
+  // run() without the process group's part.
+  std::vector<at::Tensor> run_here(std::vector<at::Tensor> inputs, const Call& call,
+                                   std::shared_ptr<BufferSnapshot>* buffers);
   // run() through the graphed replicas (empty when this forward runs eagerly).
   std::vector<at::Tensor> run_graphed(const std::vector<std::vector<at::Tensor>>& chunks,
                                       const Call& call);
@@ -187,6 +238,11 @@ class DataParallelImpl : public torch::nn::Module {
   std::optional<c10::Device> output_device_;
   // The options read at construction, as given then (check_fixed_options).
   DataParallelOptions constructed_;
+  bool require_backward_grad_sync_ = true;
+#if TORCHDP_WITH_C10D
+  std::shared_ptr<detail::ProcessGroupSync> sync_;
+#endif
+  friend class NoSync;
 };
 
 /// A `ModuleHolder` for DataParallelImpl (see its documentation).

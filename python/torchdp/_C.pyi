@@ -12,6 +12,22 @@ def has_nccl() -> bool: ...
 def cuda_device_count() -> int: ...
 def deferred_gradient_sums() -> int: ...
 def check_environment(bucket_size: bool) -> None: ...
+
+class _TestingModule:
+    """torchdp._C._testing (csrc/python/bind_testing.cpp): support for torchdp's own tests."""
+
+    has_process_group: bool
+    def train_mlp(
+        self,
+        group: Any,
+        init: Sequence[Tensor],
+        batches: Sequence[tuple[Tensor, Tensor]],
+        devices: Sequence[str],
+        lr: float,
+        accumulate: bool,
+    ) -> list[Tensor]: ...
+
+_testing: _TestingModule
 def normalize_devices(devices: Sequence[torch.device], api: str) -> list[torch.device]: ...
 def broadcast_coalesced(
     tensors: Sequence[Tensor],

@@ -94,6 +94,16 @@ def _scenarios(rank: int, devices: list[str] | None) -> dict:
         "accumulated": _train(rank, devices, True),
     }
 
+    # The C++ DataParallel with DataParallelOptions::process_group over this backend.
+    if torchdp._C._testing.has_process_group:
+        init = [p.detach() for p in _mlp(seed=rank).parameters()]
+        shares = [(x.chunk(WORLD)[rank], y.chunk(WORLD)[rank]) for x, y in _batches()]
+        cpp_devices = devices or [str(dev)]
+        for key, accumulate in (("cpp_trained", False), ("cpp_accumulated", True)):
+            out[key] = torchdp._C._testing.train_mlp(
+                dist.group.WORLD, init, shares, cpp_devices, 0.1, accumulate
+            )
+
     # Per-replica outputs and losses (gather_output=False): the hooks are on every replica's
     # output; one reduction per pass all the same.
     dp = _wrap(_mlp(seed=rank), devices, process_group=dist.group.WORLD, gather_output=False)
@@ -170,7 +180,10 @@ def _reference(accumulate: bool) -> list[torch.Tensor]:
 
 
 def _check(results: list[dict]) -> None:
-    for key, accumulate in (("trained", False), ("accumulated", True)):
+    keys = [("trained", False), ("accumulated", True)]
+    if torchdp._C._testing.has_process_group:
+        keys += [("cpp_trained", False), ("cpp_accumulated", True)]
+    for key, accumulate in keys:
         want = _reference(accumulate)
         for rank, res in enumerate(results):
             for got, ref in zip(res[key], want, strict=True):

@@ -1,0 +1,377 @@
+#include <torchdp/process_group.h>
+
+#if TORCHDP_WITH_C10D
+
+#include <ATen/Functions.h>
+#include <c10/core/GradMode.h>
+#include <c10/util/Exception.h>
+#include <c10/util/irange.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/graph_task.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <map>
+#include <set>
+#include <sstream>
+#include <tuple>
+#include <unordered_set>
+#include <utility>
+
+// Note [Reducing across processes]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// DataParallel sums the gradients of one process's replicas into the module's parameters. With a
+// process group, the processes of the group then average those sums, as DistributedDataParallel
+// does, so that one process per host trains like one process on the global batch. The Python
+// wrapper does the same in torchdp/_process_group.py.
+//
+// - First forward: the processes compare their modules (number and elements of parameters and
+//   buffers, a hash of shapes and dtypes; a mismatch fails in every process) and take group rank
+//   0's values. DDP does this at construction; here the module has reached its device by then.
+// - Each forward with grad mode on, outside no_sync(): group rank 0's buffers first
+//   (broadcast_buffers), then the outputs are hooked.
+// - The first hooked output that a backward pass reaches queues an engine callback, which queues
+//   the reduction as a second callback: that runs after every callback queued later in the pass
+//   (the gradient buckets' own, which give unused parameters their zeros), when every gradient of
+//   the pass is in place. A pass that accumulates into none of the parameters (autograd::grad of
+//   other tensors) reduces nothing.
+// - The reduction divides each bucket (parameters in reverse order, by device and dtype, up to
+//   bucket_cap_mb) by the group's size, all-reduces every bucket, then waits and copies the
+//   averages into .grad. Every process must hold the same buckets, so a parameter without a
+//   gradient takes part with zeros and gets the average.
+// Averaging a gradient that is already equal in every process leaves it as it is, so gradients
+// accumulated over several passes (with or without no_sync) come out right.
+
+namespace torchdp::detail {
+
+namespace {
+
+using torch::autograd::Edge;
+
+std::vector<at::Tensor> unique(const std::vector<at::Tensor>& tensors) {
+  std::unordered_set<const c10::TensorImpl*> seen;
+  std::vector<at::Tensor> out;
+  for (const auto& t : tensors) {
+    if (seen.insert(t.unsafeGetTensorImpl()).second) {
+      out.push_back(t);
+    }
+  }
+  return out;
+}
+
+// A stable 63-bit FNV-1a hash of the text (the same in every process).
+int64_t text_hash(const std::string& text) {
+  uint64_t h = 1469598103934665603ULL;
+  for (const unsigned char c : text) {
+    h = (h ^ c) * 1099511628211ULL;
+  }
+  return static_cast<int64_t>(h >> 1);
+}
+
+c10::Device collective_device(const std::vector<at::Tensor>& tensors) {
+  for (const auto& t : tensors) {
+    if (t.device().type() != c10::kCPU && t.device().type() != c10::kMeta) {
+      return t.device();
+    }
+  }
+  return c10::Device(c10::kCPU);
+}
+
+// Runs `work`, naming the API in its error.
+template <typename F>
+void collective(const std::string& api, F&& work) {
+  try {
+    work();
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, api, " (process_group): ", e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, api, " (process_group): ", e.what());
+  }
+}
+
+void queue(std::function<void()> callback) {
+  torch::autograd::Engine::get_default_engine().queue_callback(std::move(callback));
+}
+
+} // namespace
+
+struct ProcessGroupSync::Layout {
+  std::vector<const c10::TensorImpl*> key;
+  size_t size = 0;
+  std::vector<at::Tensor> params;
+  std::vector<Edge> accumulators; // kept, so that they stay the parameters' nodes
+  std::vector<std::vector<size_t>> buckets;
+  c10::intrusive_ptr<c10d::ProcessGroup> group;
+  std::mutex reduce_mutex;
+
+  bool accumulates_in_current_pass() const {
+    const auto* info = torch::autograd::get_current_graph_task_exec_info();
+    if (info == nullptr || info->empty()) {
+      return true; // a plain backward: every node of the graph runs
+    }
+    for (const auto& edge : accumulators) {
+      auto it = info->find(edge.function.get());
+      if (it != info->end() && it->second.should_execute()) {
+        return true;
+      }
+    }
+    return false;
+  }
+
+  void reduce() {
+    at::NoGradGuard no_grad;
+    std::lock_guard<std::mutex> lock(reduce_mutex);
+    const double world = static_cast<double>(group->getSize());
+    struct Pending {
+      c10::intrusive_ptr<c10d::Work> work;
+      at::Tensor flat;
+      std::vector<at::Tensor> grads;
+    };
+    std::vector<Pending> pending;
+    for (const auto& bucket : buckets) {
+      std::vector<at::Tensor> dense;
+      for (const auto k : bucket) {
+        auto& p = params[k];
+        if (!p.grad().defined()) {
+          p.mutable_grad() = at::zeros_like(p);
+        }
+        auto g = p.grad();
+        if (g.layout() != c10::kStrided) { // sparse: reduced on its own
+          g.div_(world);
+          std::vector<at::Tensor> one{g};
+          group->allreduce(one)->wait();
+          continue;
+        }
+        dense.push_back(g);
+      }
+      if (dense.empty()) {
+        continue;
+      }
+      std::vector<at::Tensor> pieces;
+      pieces.reserve(dense.size());
+      for (const auto& g : dense) {
+        pieces.push_back(g.reshape(-1));
+      }
+      auto flat = at::cat(pieces);
+      flat.div_(world);
+      std::vector<at::Tensor> one{flat};
+      auto work = group->allreduce(one);
+      pending.push_back({std::move(work), std::move(flat), std::move(dense)});
+    }
+    for (auto& p : pending) {
+      p.work->wait();
+      int64_t offset = 0;
+      for (auto& g : p.grads) {
+        g.copy_(p.flat.narrow(0, offset, g.numel()).view(g.sizes()));
+        offset += g.numel();
+      }
+    }
+  }
+};
+
+namespace {
+
+// The hook of one forward's outputs: queues the reduction once per backward pass.
+struct PassHook {
+  std::shared_ptr<ProcessGroupSync::Layout> layout;
+  std::mutex mutex;
+  std::set<int> passes;
+
+  static void reached(const std::shared_ptr<PassHook>& self) {
+    const int task = torch::autograd::get_current_graph_task_id();
+    {
+      // Outputs on several devices reach their hooks on several autograd threads at once.
+      std::lock_guard<std::mutex> lock(self->mutex);
+      if (!self->passes.insert(task).second) {
+        return;
+      }
+    }
+    if (!self->layout->accumulates_in_current_pass()) {
+      return;
+    }
+    queue([self, task] {
+      {
+        std::lock_guard<std::mutex> lock(self->mutex);
+        self->passes.erase(task);
+      }
+      auto layout = self->layout;
+      queue([layout] {
+        layout->reduce();
+      });
+    });
+  }
+};
+
+} // namespace
+
+ProcessGroupSync::ProcessGroupSync(c10::intrusive_ptr<c10d::ProcessGroup> group, std::string api)
+    : group_(std::move(group)), api_(std::move(api)) {
+  TORCH_CHECK(group_, api_, ": process_group is empty");
+}
+
+void ProcessGroupSync::before_forward(const torch::nn::Module& module, bool buffers) {
+  if (group_->getSize() == 1) {
+    return;
+  }
+  at::NoGradGuard no_grad;
+  if (!state_synced_) {
+    const auto params = unique(module.parameters());
+    const auto bufs = unique(module.buffers());
+    if (!params.empty() || !bufs.empty()) {
+      check_same_module(params, bufs);
+      auto all = params;
+      all.insert(all.end(), bufs.begin(), bufs.end());
+      broadcast(all);
+    }
+    state_synced_ = true;
+  } else if (buffers) {
+    broadcast(unique(module.buffers()));
+  }
+}
+
+void ProcessGroupSync::check_same_module(const std::vector<at::Tensor>& params,
+                                         const std::vector<at::Tensor>& buffers) {
+  std::ostringstream shapes;
+  int64_t param_numel = 0;
+  int64_t buffer_numel = 0;
+  for (const auto& p : params) {
+    shapes << p.sizes() << ':' << p.scalar_type() << ';';
+    param_numel += p.numel();
+  }
+  shapes << '|';
+  for (const auto& b : buffers) {
+    shapes << b.sizes() << ':' << b.scalar_type() << ';';
+    buffer_numel += b.numel();
+  }
+  std::vector<int64_t> mine{static_cast<int64_t>(params.size()), param_numel,
+                            static_cast<int64_t>(buffers.size()), buffer_numel,
+                            text_hash(shapes.str())};
+  auto all = params;
+  all.insert(all.end(), buffers.begin(), buffers.end());
+  const auto device = collective_device(all);
+  const auto options = at::TensorOptions().dtype(at::kLong).device(device);
+  std::vector<at::Tensor> input{at::tensor(mine, at::TensorOptions().dtype(at::kLong)).to(device)};
+  std::vector<std::vector<at::Tensor>> output(1);
+  for (int r = 0; r < group_->getSize(); ++r) {
+    output[0].push_back(at::empty({static_cast<int64_t>(mine.size())}, options));
+  }
+  collective(api_, [&] {
+    group_->allgather(output, input)->wait();
+  });
+  std::vector<std::vector<int64_t>> rows;
+  for (const auto& t : output[0]) {
+    auto cpu = t.cpu();
+    rows.emplace_back(cpu.data_ptr<int64_t>(), cpu.data_ptr<int64_t>() + cpu.numel());
+  }
+  auto text = [&](const std::vector<int64_t>& r) {
+    const bool same_counts = std::equal(r.begin(), r.begin() + 4, rows[0].begin());
+    return c10::str(r[0], " parameters (", r[1], " elements) and ", r[2], " buffers (", r[3],
+                    " elements)", same_counts ? ", other shapes or dtypes" : "");
+  };
+  for (const auto rank : c10::irange(rows.size())) {
+    TORCH_CHECK(rows[rank] == rows[0], api_,
+                ": the processes of process_group wrap different modules: group rank ", rank,
+                " has ", text(rows[rank]), ", group rank 0 has ", text(rows[0]),
+                "; every process must wrap the same model");
+  }
+}
+
+void ProcessGroupSync::broadcast(const std::vector<at::Tensor>& tensors) {
+  std::map<std::tuple<c10::DeviceType, c10::DeviceIndex, c10::ScalarType>, std::vector<at::Tensor>>
+      kinds;
+  for (const auto& t : tensors) {
+    if (t.numel() > 0 && t.layout() == c10::kStrided && t.device().type() != c10::kMeta) {
+      kinds[{t.device().type(), t.device().index(), t.scalar_type()}].push_back(t.detach());
+    }
+  }
+  c10d::BroadcastOptions options;
+  options.rootRank = 0;
+  options.rootTensor = 0;
+  for (auto& [kind, members] : kinds) {
+    std::vector<at::Tensor> pieces;
+    for (const auto& t : members) {
+      pieces.push_back(t.reshape(-1));
+    }
+    std::vector<at::Tensor> one{at::cat(pieces)};
+    collective(api_, [&] {
+      group_->broadcast(one, options)->wait();
+    });
+    int64_t offset = 0;
+    for (auto& t : members) {
+      t.copy_(one[0].narrow(0, offset, t.numel()).view(t.sizes()));
+      offset += t.numel();
+    }
+  }
+}
+
+std::shared_ptr<ProcessGroupSync::Layout> ProcessGroupSync::layout_of(
+    const torch::nn::Module& module, size_t bucket_bytes) {
+  std::vector<at::Tensor> params;
+  std::vector<const c10::TensorImpl*> key;
+  for (const auto& p : unique(module.parameters())) {
+    if (p.requires_grad()) {
+      params.push_back(p);
+      key.push_back(p.unsafeGetTensorImpl());
+    }
+  }
+  if (layout_ && layout_->size == bucket_bytes && layout_->key == key) {
+    return layout_;
+  }
+  auto layout = std::make_shared<Layout>();
+  layout->key = std::move(key);
+  layout->size = bucket_bytes;
+  layout->params = std::move(params);
+  layout->group = group_;
+  for (const auto& p : layout->params) {
+    layout->accumulators.push_back(torch::autograd::impl::gradient_edge(p));
+  }
+  // Reverse registration order, one open bucket per device and dtype, at most bucket_bytes each.
+  std::map<std::tuple<c10::DeviceType, c10::DeviceIndex, c10::ScalarType>,
+           std::pair<size_t, size_t>> // bucket index, bytes
+      open;
+  for (size_t k = layout->params.size(); k-- > 0;) {
+    const auto& p = layout->params[k];
+    const std::tuple<c10::DeviceType, c10::DeviceIndex, c10::ScalarType> kind{
+        p.device().type(), p.device().index(), p.scalar_type()};
+    const size_t nbytes = static_cast<size_t>(p.numel()) * p.element_size();
+    auto it = open.find(kind);
+    if (it == open.end() || (bucket_bytes > 0 && it->second.second + nbytes > bucket_bytes)) {
+      layout->buckets.emplace_back();
+      it = open.insert_or_assign(kind, std::make_pair(layout->buckets.size() - 1, size_t{0})).first;
+    }
+    layout->buckets[it->second.first].push_back(k);
+    it->second.second += nbytes;
+  }
+  layout_ = layout;
+  return layout;
+}
+
+void ProcessGroupSync::watch(const torch::nn::Module& module,
+                             const std::vector<at::Tensor>& outputs, size_t bucket_bytes) {
+  if (group_->getSize() == 1) {
+    return;
+  }
+  std::vector<at::Tensor> hooked;
+  for (const auto& t : outputs) {
+    if (t.defined() && t.requires_grad()) {
+      hooked.push_back(t);
+    }
+  }
+  if (hooked.empty()) {
+    return;
+  }
+  auto layout = layout_of(module, bucket_bytes);
+  if (layout->params.empty()) {
+    return;
+  }
+  auto hook = std::make_shared<PassHook>();
+  hook->layout = std::move(layout);
+  for (auto& t : hooked) {
+    t.register_hook([hook](const at::Tensor&) {
+      PassHook::reached(hook);
+    });
+  }
+}
+
+} // namespace torchdp::detail
+
+#endif // TORCHDP_WITH_C10D

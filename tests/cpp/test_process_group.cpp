@@ -1,0 +1,404 @@
+// DataParallelOptions::process_group (Note [Reducing across processes]): the "processes" here are
+// threads of this test, each with its own DataParallel, talking through an in-process group.
+#include "test_common.h"
+
+#if TORCHDP_WITH_C10D
+
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <atomic>
+#include <condition_variable>
+#include <functional>
+#include <mutex>
+#include <thread>
+
+using namespace torchdp_test;
+
+namespace {
+
+// What the ranks of one in-process group share: a slot per rank and a barrier.
+struct Hub {
+  explicit Hub(int n) : size(n), slots(static_cast<size_t>(n)) {}
+
+  // Every rank deposits a copy of `t`; once all have, `use(slots)` runs in every rank; nobody
+  // deposits again before every rank has used them.
+  void exchange(int rank, const at::Tensor& t,
+                const std::function<void(const std::vector<at::Tensor>&)>& use) {
+    slots[static_cast<size_t>(rank)] = t.clone();
+    barrier();
+    use(slots);
+    barrier();
+  }
+
+  void barrier() {
+    std::unique_lock<std::mutex> lock(mutex);
+    const auto generation = generation_;
+    if (++arrived == size) {
+      arrived = 0;
+      ++generation_;
+      cv.notify_all();
+    } else {
+      cv.wait(lock, [&] {
+        return generation_ != generation;
+      });
+    }
+  }
+
+  const int size;
+  std::vector<at::Tensor> slots;
+  std::mutex mutex;
+  std::condition_variable cv;
+  int arrived = 0;
+  int64_t generation_ = 0;
+};
+
+// A finished collective (the group below works synchronously).
+struct DoneWork : c10d::Work {
+  DoneWork() {
+    finish();
+  }
+};
+
+class ThreadGroup : public c10d::ProcessGroup {
+ public:
+  ThreadGroup(std::shared_ptr<Hub> hub, int rank)
+      : c10d::ProcessGroup(rank, hub->size), hub_(std::move(hub)) {}
+
+  const std::string getBackendName() const override {
+    return "threads";
+  }
+
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+                                           const c10d::AllreduceOptions&) override {
+    ++allreduces;
+    for (auto& t : tensors) {
+      hub_->exchange(getRank(), t, [&](const std::vector<at::Tensor>& all) {
+        auto sum = at::zeros_like(t);
+        for (const auto& a : all) {
+          sum.add_(a.to(t.device()));
+        }
+        t.copy_(sum);
+      });
+    }
+    return c10::make_intrusive<DoneWork>();
+  }
+
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
+                                           const c10d::BroadcastOptions& opts) override {
+    ++broadcasts;
+    for (auto& t : tensors) {
+      hub_->exchange(getRank(), t, [&](const std::vector<at::Tensor>& all) {
+        t.copy_(all[static_cast<size_t>(opts.rootRank)]);
+      });
+    }
+    return c10::make_intrusive<DoneWork>();
+  }
+
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                           std::vector<at::Tensor>& inputs,
+                                           const c10d::AllgatherOptions&) override {
+    hub_->exchange(getRank(), inputs.at(0), [&](const std::vector<at::Tensor>& all) {
+      for (const auto r : c10::irange(all.size())) {
+        outputs.at(0).at(r).copy_(all[r]);
+      }
+    });
+    return c10::make_intrusive<DoneWork>();
+  }
+
+  std::atomic<int> allreduces{0};
+  std::atomic<int> broadcasts{0};
+
+ private:
+  std::shared_ptr<Hub> hub_;
+};
+
+constexpr int kWorld = 2;
+constexpr int64_t kBatch = 16; // the global batch: each rank takes kBatch / kWorld rows
+constexpr int kSteps = 3;
+
+struct MlpImpl : torch::nn::Cloneable<MlpImpl> {
+  MlpImpl() {
+    reset();
+  }
+  void reset() override {
+    fc1 = register_module("fc1", torch::nn::Linear(8, 16));
+    fc2 = register_module("fc2", torch::nn::Linear(16, 4));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    return fc2(torch::tanh(fc1(x)));
+  }
+  torch::nn::Linear fc1{nullptr};
+  torch::nn::Linear fc2{nullptr};
+};
+TORCH_MODULE(Mlp);
+
+Mlp mlp(uint64_t seed) {
+  torch::manual_seed(seed);
+  return Mlp();
+}
+
+struct BnNetImpl : torch::nn::Cloneable<BnNetImpl> {
+  BnNetImpl() {
+    reset();
+  }
+  void reset() override {
+    fc = register_module("fc", torch::nn::Linear(8, 16));
+    bn = register_module("bn", torch::nn::BatchNorm1d(16));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    return bn(fc(x));
+  }
+  torch::nn::Linear fc{nullptr};
+  torch::nn::BatchNorm1d bn{nullptr};
+};
+TORCH_MODULE(BnNet);
+
+std::vector<std::pair<at::Tensor, at::Tensor>> batches() {
+  torch::manual_seed(1);
+  std::vector<std::pair<at::Tensor, at::Tensor>> out;
+  for (int i = 0; i < kSteps; ++i) {
+    auto x = torch::randn({kBatch, 8});
+    out.emplace_back(x, torch::randn({kBatch, 4}));
+  }
+  return out;
+}
+
+// Runs `body(rank, group)` in one thread per rank; returns the error each rank ended with ("" for
+// none). Catch2's assertions are not thread-safe: the bodies only record what the test checks.
+std::vector<std::string> run_ranks(
+    const std::function<void(int, const c10::intrusive_ptr<ThreadGroup>&)>& body,
+    std::vector<c10::intrusive_ptr<ThreadGroup>>* groups_out = nullptr) {
+  auto hub = std::make_shared<Hub>(kWorld);
+  std::vector<c10::intrusive_ptr<ThreadGroup>> groups;
+  for (int r = 0; r < kWorld; ++r) {
+    groups.push_back(c10::make_intrusive<ThreadGroup>(hub, r));
+  }
+  std::vector<std::string> errors(kWorld);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < kWorld; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        body(r, groups[static_cast<size_t>(r)]);
+      } catch (const c10::Error& e) {
+        errors[static_cast<size_t>(r)] = e.what_without_backtrace();
+      } catch (const std::exception& e) {
+        errors[static_cast<size_t>(r)] = e.what();
+      }
+    });
+  }
+  for (auto& t : threads) {
+    t.join();
+  }
+  if (groups_out != nullptr) {
+    *groups_out = groups;
+  }
+  return errors;
+}
+
+// `extra` takes part in the forward only when `use_extra`.
+struct BranchyImpl : torch::nn::Cloneable<BranchyImpl> {
+  explicit BranchyImpl(bool use_extra) : use_extra(use_extra) {
+    reset();
+  }
+  void reset() override {
+    torch::manual_seed(5);
+    body = register_module("body", torch::nn::Linear(8, 4));
+    extra = register_module("extra", torch::nn::Linear(8, 4));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto y = body(x);
+    return use_extra ? y + extra(x) : y;
+  }
+  bool use_extra;
+  torch::nn::Linear body{nullptr};
+  torch::nn::Linear extra{nullptr};
+};
+TORCH_MODULE(Branchy);
+
+// Rank 0's model trained by one process on the whole batches.
+std::vector<at::Tensor> reference_training() {
+  auto model = mlp(0);
+  torch::optim::SGD opt(model->parameters(), 0.1);
+  for (const auto& [x, y] : batches()) {
+    opt.zero_grad();
+    torch::mse_loss(model->forward(x), y).backward();
+    opt.step();
+  }
+  std::vector<at::Tensor> out;
+  for (const auto& p : model->parameters()) {
+    out.push_back(p.detach().clone());
+  }
+  return out;
+}
+
+} // namespace
+
+TEST_CASE("process_group: processes train like one process on the whole batch", "[process_group]") {
+  for (const bool accumulate : {false, true}) {
+    for (const size_t devices : {size_t{1}, size_t{2}}) {
+      CAPTURE(accumulate, devices);
+      std::vector<std::vector<at::Tensor>> trained(kWorld);
+      std::vector<c10::intrusive_ptr<ThreadGroup>> groups;
+      const auto all = batches();
+      // Made here: torch's generator is global, and the ranks' threads would race for it.
+      std::vector<Mlp> models{mlp(0), mlp(1)};
+      auto errors = run_ranks(
+          [&](int rank, const c10::intrusive_ptr<ThreadGroup>& group) {
+            // Each rank starts from its own initialisation; rank 0's is taken at the first forward.
+            torchdp::DataParallel dp(models[static_cast<size_t>(rank)],
+                                     torchdp::DataParallelOptions()
+                                         .device_ids(cpu_devices(devices))
+                                         .process_group(group)
+                                         .bucket_cap_mb(0.0001));
+            torch::optim::SGD opt(dp->parameters(), 0.1);
+            for (const auto& [gx, gy] : all) {
+              auto x = gx.chunk(kWorld)[rank];
+              auto y = gy.chunk(kWorld)[rank];
+              opt.zero_grad();
+              if (accumulate) {
+                auto xs = x.chunk(2);
+                auto ys = y.chunk(2);
+                {
+                  auto guard = dp->no_sync();
+                  (torch::mse_loss(dp->forward(xs[0]), ys[0]) / 2).backward();
+                }
+                (torch::mse_loss(dp->forward(xs[1]), ys[1]) / 2).backward();
+              } else {
+                torch::mse_loss(dp->forward(x), y).backward();
+              }
+              opt.step();
+            }
+            for (const auto& p : dp->parameters()) {
+              trained[static_cast<size_t>(rank)].push_back(p.detach().clone());
+            }
+          },
+          &groups);
+      REQUIRE(errors == std::vector<std::string>(kWorld));
+      const auto want = reference_training();
+      for (const auto& got : trained) {
+        REQUIRE(got.size() == want.size());
+        for (const auto i : c10::irange(want.size())) {
+          REQUIRE(torch::allclose(got[i], want[i], 1e-5, 1e-6));
+        }
+      }
+      // Tiny buckets: several all-reduces per synchronised pass; none in no_sync passes.
+      for (const auto& g : groups) {
+        CHECK(g->allreduces.load() == kSteps * 4);
+      }
+    }
+  }
+}
+
+TEST_CASE("process_group: unused parameters, autograd::grad, buffers and mismatched modules",
+          "[process_group]") {
+  std::vector<at::Tensor> extra_grads(kWorld);
+  std::vector<at::Tensor> local_extra(kWorld);
+  std::vector<bool> untouched_by_grad(kWorld, false);
+  std::vector<at::Tensor> running_means(kWorld * 2);
+  std::vector<std::string> mismatch(kWorld);
+  // Made here: torch's generator is global, and the ranks' threads would race for it.
+  const auto inputs = torch::randn({kWorld, 6, 8});
+  std::vector<Branchy> nets{Branchy(false), Branchy(true)};
+  std::vector<Branchy> locals{Branchy(false), Branchy(true)};
+  std::vector<BnNet> bns{BnNet(), BnNet(), BnNet(), BnNet()};
+  for (auto& b : bns) {
+    copy_state(*b, *bns[0]);
+  }
+  auto errors = run_ranks([&](int rank, const c10::intrusive_ptr<ThreadGroup>& group) {
+    const auto r = static_cast<size_t>(rank);
+    const auto x = inputs[rank];
+
+    // `extra` takes part in rank 1's forward only: both get half of rank 1's gradient (rank 0's
+    // replicas give it zeros, as an unused parameter).
+    auto net = nets[r];
+    auto local = locals[r];
+    local->forward(x).sum().backward();
+    local_extra[r] =
+        local->extra->weight.grad().defined() ? local->extra->weight.grad() : at::Tensor();
+    torchdp::DataParallel dp(
+        net, torchdp::DataParallelOptions().device_ids(cpu_devices(2)).process_group(group));
+    dp->forward(x).sum().backward();
+    extra_grads[r] = net->extra->weight.grad().clone();
+
+    // autograd::grad of the input: no parameter gradient appears.
+    net->zero_grad(/*set_to_none=*/true);
+    auto xi = x.clone().requires_grad_();
+    auto gx = torch::autograd::grad({dp->forward(xi).sum()}, {xi});
+    untouched_by_grad[r] =
+        !net->body->weight.grad().defined() && gx[0].abs().sum().item<float>() > 0;
+
+    // Buffers: rank 0's at each forward with grad mode on, unless broadcast_buffers(false).
+    for (const bool broadcast : {true, false}) {
+      auto bn = bns[r * 2 + (broadcast ? 0 : 1)];
+      torchdp::DataParallel dpbn(bn, torchdp::DataParallelOptions()
+                                         .device_ids(cpu_devices(2))
+                                         .process_group(group)
+                                         .broadcast_buffers(broadcast));
+      for (const auto& [bx, by] : batches()) {
+        dpbn->forward(bx.chunk(kWorld)[rank]);
+      }
+      dpbn->eval();
+      dpbn->forward(x);
+      running_means[r * 2 + (broadcast ? 0 : 1)] = bn->bn->running_mean.clone();
+    }
+
+    // Different modules: refused in every process.
+    mismatch[r] = error_message([&] {
+      torchdp::DataParallel bad(
+          torch::nn::Linear(8, 4 + rank),
+          torchdp::DataParallelOptions().device_ids(cpu_devices(2)).process_group(group));
+      bad->forward(x);
+    });
+  });
+  REQUIRE(errors == std::vector<std::string>(kWorld));
+
+  REQUIRE_FALSE(local_extra[0].defined());
+  REQUIRE(local_extra[1].defined());
+  for (const auto& g : extra_grads) {
+    REQUIRE(torch::allclose(g, local_extra[1] / 2));
+  }
+  CHECK(untouched_by_grad[0]);
+  CHECK(untouched_by_grad[1]);
+  CHECK(torch::equal(running_means[0], running_means[2]));
+  CHECK_FALSE(torch::equal(running_means[1], running_means[3]));
+  for (const auto& m : mismatch) {
+    CHECK(m.find("torchdp::DataParallel: the processes of process_group wrap different modules: "
+                 "group rank 1 has 2 parameters (45 elements)") != std::string::npos);
+    CHECK(m.find("group rank 0 has 2 parameters (36 elements)") != std::string::npos);
+  }
+}
+
+TEST_CASE("process_group: cuda_graphs is refused, a group of one changes nothing",
+          "[process_group]") {
+  auto hub = std::make_shared<Hub>(1);
+  auto group = c10::make_intrusive<ThreadGroup>(hub, 0);
+  torchdp::DataParallel dp(
+      mlp(0), torchdp::DataParallelOptions().device_ids(cpu_devices(2)).process_group(group));
+  auto plain = mlp(0);
+  const auto [x, y] = batches()[0];
+  torch::mse_loss(dp->forward(x), y).backward();
+  torch::mse_loss(plain->forward(x), y).backward();
+  auto got = dp->parameters();
+  auto want = plain->parameters();
+  for (const auto i : c10::irange(want.size())) {
+    REQUIRE(torch::allclose(got[i].grad(), want[i].grad(), 1e-5, 1e-6));
+  }
+  CHECK(group->allreduces.load() == 0);
+  CHECK(dp->require_backward_grad_sync());
+  {
+    auto guard = dp->no_sync();
+    CHECK_FALSE(dp->require_backward_grad_sync());
+  }
+  CHECK(dp->require_backward_grad_sync());
+  dp->options.process_group(c10::intrusive_ptr<c10d::ProcessGroup>());
+  dp->forward(x); // no group: the plain forward
+
+  TORCHDP_NEED_CUDA(devices, 1);
+  torchdp::DataParallel graphed(
+      mlp(0),
+      torchdp::DataParallelOptions().device_ids(devices).cuda_graphs(true).process_group(group));
+  TORCHDP_CHECK_THROWS_WITH(graphed->forward(x),
+                            "process_group cannot be combined with cuda_graphs");
+}
+
+#endif // TORCHDP_WITH_C10D
