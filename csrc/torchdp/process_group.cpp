@@ -352,7 +352,9 @@ void ProcessGroupSync::watch(const torch::nn::Module& module,
   }
   std::vector<at::Tensor> hooked;
   for (const auto& t : outputs) {
-    if (t.defined() && t.requires_grad()) {
+    // Leaf outputs (a parameter or input returned as it is) are not hooked: a hook on a leaf
+    // outlives the step, and the processes would add one per forward.
+    if (t.defined() && t.requires_grad() && !t.is_leaf()) {
       hooked.push_back(t);
     }
   }

@@ -135,8 +135,12 @@ class ProcessGroupSync:
         """Hooks ``outputs`` so that the backward pass through them averages the gradients."""
         if self.world == 1:
             return
+        # Leaf outputs (a parameter or input returned as it is) are not hooked: a hook on a leaf
+        # outlives the step, and the processes would add one per forward.
         tensors = [
-            t for t in tree_leaves(outputs) if isinstance(t, torch.Tensor) and t.requires_grad
+            t
+            for t in tree_leaves(outputs)
+            if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None
         ]
         if not tensors:
             return

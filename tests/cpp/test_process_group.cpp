@@ -215,6 +215,21 @@ struct BranchyImpl : torch::nn::Cloneable<BranchyImpl> {
 };
 TORCH_MODULE(Branchy);
 
+// Returns its parameter as it is (a leaf output).
+struct ReturnsWeightImpl : torch::nn::Cloneable<ReturnsWeightImpl> {
+  ReturnsWeightImpl() {
+    reset();
+  }
+  void reset() override {
+    weight = register_parameter("weight", torch::ones({3}));
+  }
+  torch::Tensor forward(const torch::Tensor&) {
+    return weight;
+  }
+  torch::Tensor weight;
+};
+TORCH_MODULE(ReturnsWeight);
+
 // Rank 0's model trained by one process on the whole batches.
 std::vector<at::Tensor> reference_training() {
   auto model = mlp(0);
@@ -296,6 +311,7 @@ TEST_CASE("process_group: unused parameters, autograd::grad, buffers and mismatc
   std::vector<bool> untouched_by_grad(kWorld, false);
   std::vector<at::Tensor> running_means(kWorld * 2);
   std::vector<std::string> mismatch(kWorld);
+  std::vector<int> leaf_reductions(kWorld, -1);
   // Made here: torch's generator is global, and the ranks' threads would race for it.
   const auto inputs = torch::randn({kWorld, 6, 8});
   std::vector<Branchy> nets{Branchy(false), Branchy(true)};
@@ -342,6 +358,17 @@ TEST_CASE("process_group: unused parameters, autograd::grad, buffers and mismatc
       running_means[r * 2 + (broadcast ? 0 : 1)] = bn->bn->running_mean.clone();
     }
 
+    // A leaf output (one device: the module's own parameter comes back) gets no hook, which
+    // would outlive the step: nothing is reduced.
+    torchdp::DataParallel leaf(
+        ReturnsWeight(),
+        torchdp::DataParallelOptions().device_ids(cpu_devices(1)).process_group(group));
+    const int before = group->allreduces.load();
+    for (int i = 0; i < 2; ++i) {
+      leaf->forward(x).sum().backward();
+    }
+    leaf_reductions[r] = group->allreduces.load() - before;
+
     // Different modules: refused in every process.
     mismatch[r] = error_message([&] {
       torchdp::DataParallel bad(
@@ -361,6 +388,7 @@ TEST_CASE("process_group: unused parameters, autograd::grad, buffers and mismatc
   CHECK(untouched_by_grad[1]);
   CHECK(torch::equal(running_means[0], running_means[2]));
   CHECK_FALSE(torch::equal(running_means[1], running_means[3]));
+  CHECK(leaf_reductions == std::vector<int>(kWorld, 0));
   for (const auto& m : mismatch) {
     CHECK(m.find("torchdp::DataParallel: the processes of process_group wrap different modules: "
                  "group rank 1 has 2 parameters (45 elements)") != std::string::npos);

@@ -41,6 +41,15 @@ class _Branchy(nn.Module):
         return y + self.extra(x) if use_extra else y
 
 
+class _ReturnsWeight(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight
+
+
 def _bn(seed: int) -> nn.Module:
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 4))
@@ -138,6 +147,12 @@ def _scenarios(rank: int, devices: list[str] | None) -> dict:
         bn(x.to(dev))  # grad mode on: takes rank 0's running statistics first (when broadcasting)
         out[f"running_mean_{broadcast}"] = bn.module[1].running_mean.cpu()
 
+    # A module that returns its parameter: a leaf output gets no hook (it would outlive the step).
+    leaf = _wrap(_ReturnsWeight(), devices, process_group=dist.group.WORLD)
+    for _ in range(2):
+        leaf(x.to(dev)).sum().backward()
+    out["leaf_hooks"] = len(leaf.module.weight._backward_hooks or {})
+
     # Modules that differ between processes are refused by both.
     try:
         _wrap(nn.Linear(8, 4 + rank), devices, process_group=dist.group.WORLD)(x.to(dev))
@@ -214,6 +229,8 @@ def _check(results: list[dict]) -> None:
     torch.testing.assert_close(results[0]["running_mean_True"], results[1]["running_mean_True"])
     assert not torch.equal(results[0]["running_mean_False"], results[1]["running_mean_False"])
 
+    for res in results:
+        assert res["leaf_hooks"] == 0
     for res in results:
         msg = res["mismatch"]
         assert msg is not None and "torchdp.DataParallel" in msg
