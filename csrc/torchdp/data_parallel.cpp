@@ -113,6 +113,7 @@ std::vector<at::Tensor> DataParallelImpl::ensure_placement() {
               target,
               "\")), or construct DataParallel with "
               "DataParallelOptions().place_module(true) to let it move the module itself");
+  return buffers; // not reached: find_misplaced sees what the loops above saw
 }
 
 NoSync::NoSync(DataParallelImpl& dp) : dp_(dp), previous_(dp.require_backward_grad_sync_) {
