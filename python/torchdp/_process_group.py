@@ -5,23 +5,31 @@ Note [Reducing across processes]
 torchdp sums the gradients of one process's replicas into the module's parameters. With a
 ``process_group``, every process of the group then averages those sums with the other processes,
 as ``DistributedDataParallel`` does, so that one process per host trains like one process on the
-global batch:
+global batch. The C++ ``DataParallel`` does the same (csrc/torchdp/process_group.cpp).
 
-* At the first forward, the processes check that their modules have the same parameters and
-  buffers (count, shapes, dtypes) and take group rank 0's values (DDP does this at construction;
-  here it waits for the first forward, when the module has reached its device).
+* At the first forward, and at the first forward after the module's parameters changed (other
+  tensors, or another ``requires_grad``), the processes check that their modules have the same
+  parameters and buffers (count, shapes, dtypes, ``requires_grad``) and take group rank 0's values
+  (DDP does this at construction; here it waits until the module has reached its device). The
+  processes must change their modules alike.
 * Each forward with grad mode on (outside ``no_sync()``) first broadcasts group rank 0's buffers
-  when ``broadcast_buffers`` (BatchNorm's running statistics), and hooks its tensor outputs.
-* The first of those outputs that the backward pass reaches queues an engine callback, which
-  queues the reduction itself as a second callback: it then runs after every callback that
-  torchdp's own gradient buckets queue later in the pass (TORCHDP_GRAD_DELIVERY=bucket gives
-  unused parameters their zeros there), when every gradient of the pass is in place. A pass that
-  accumulates into none of the parameters (``torch.autograd.grad`` of the inputs) reduces nothing.
+  when ``broadcast_buffers`` (BatchNorm's running statistics), and hooks the tensors of its output
+  (inside lists, tuples, dicts, dataclasses and pytree-registered types; not leaf tensors, whose
+  hooks would outlive the step).
+* The first hooked tensor that a backward pass reaches queues an engine callback, which queues the
+  reduction itself as a second callback: it then runs after every callback that torchdp's own
+  gradient buckets queue later in the pass (TORCHDP_GRAD_DELIVERY=bucket gives unused parameters
+  their zeros there), when every gradient of the pass is in place. One reduction per pass, however
+  many forwards the pass goes through. A pass that accumulates into none of the parameters
+  (``torch.autograd.grad``) reduces nothing.
 * The reduction divides each bucket (the parameters in reverse order, by device and dtype, up to
-  ``bucket_cap_mb``) by the group's size, all-reduces every bucket asynchronously and copies the
-  averages back into ``.grad``. Every process must hold the same buckets, so a parameter without
-  a gradient in this process takes part with zeros and gets a zero-based average, as a parameter
-  unused in one replica gets zeros from ``torch.nn.DataParallel``.
+  ``bucket_cap_mb``) by the group's size, all-reduces every bucket asynchronously, waits for all of
+  them and only then copies the averages into ``.grad`` (a failure leaves the gradients as they
+  were). Every process must hold the same buckets, so a parameter without a gradient in this
+  process takes part with zeros and gets the average (zeros when no process used it; DDP leaves
+  that one None), as a parameter unused in one replica gets zeros from ``torch.nn.DataParallel``.
+  The weights of sparse ``nn.Embedding``/``nn.EmbeddingBag`` modules are all-reduced one by one as
+  sparse tensors (empty ones where unused); other sparse gradients are reduced densely.
 
 Averaging a gradient that is already the same in every process leaves it as it is, so gradients
 accumulated over several backward passes (with or without ``no_sync()``) come out right.
@@ -29,6 +37,7 @@ accumulated over several backward passes (with or without ``no_sync()``) come ou
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import zlib
 from collections.abc import Callable
@@ -61,9 +70,14 @@ def check_process_group(group: Any, api: str) -> Any:
         raise TypeError(
             f"{api}: process_group must be a torch.distributed.ProcessGroup "
             "(torch.distributed.group.WORLD or one made by torch.distributed.new_group()), got "
-            f"{type(group).__name__}"
+            f"{_short_repr(group)} ({type(group).__name__})"
         )
     return group
+
+
+def _short_repr(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _distributed(api: str) -> Any:
@@ -82,16 +96,25 @@ def _accumulator(param: torch.Tensor) -> Any:
 class _Layout:
     """The parameters that need gradients, their AccumulateGrad nodes and the buckets."""
 
-    def __init__(self, params: list[torch.Tensor], bucket_bytes: int) -> None:
+    def __init__(self, module: nn.Module, params: list[torch.Tensor], bucket_bytes: int) -> None:
         self.key = [id(p) for p in params]
         self.size = bucket_bytes
         self.params = params
         self.nodes = [_accumulator(p) for p in params]
+        sparse_weights = {
+            id(m.weight)
+            for m in module.modules()
+            if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse
+        }
+        # Sparse embeddings' weights, reduced one by one as sparse tensors in every process.
+        self.sparse = [p for p in reversed(params) if id(p) in sparse_weights]
         # Reverse registration order (the backward's order for most models), one bucket per
         # device and dtype at a time, at most bucket_bytes each (0: one bucket per kind).
         self.buckets: list[list[torch.Tensor]] = []
         open_buckets: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], int]] = {}
         for p in reversed(params):
+            if id(p) in sparse_weights:
+                continue
             kind = (p.device, p.dtype)
             bucket, size = open_buckets.get(kind, (None, 0))
             nbytes = p.numel() * p.element_size()
@@ -101,35 +124,60 @@ class _Layout:
             bucket.append(p)
             open_buckets[kind] = (bucket, size + nbytes)
 
+    def accumulates(self) -> bool:
+        """Whether the running backward pass writes the gradient of one of the parameters."""
+        for node in self.nodes:
+            try:
+                if torch._C._will_engine_execute_node(node):
+                    return True
+            except RuntimeError:
+                continue  # captured by torch.autograd.grad, which writes no .grad
+        return False
+
 
 class ProcessGroupSync:
     """Keeps one wrapper's module in step with the other processes of ``group``."""
 
-    def __init__(self, group: Any) -> None:
+    def __init__(self, group: Any, api: str) -> None:
         dist = torch.distributed
         self.group = group
-        self.world = dist.get_world_size(group)
-        self.src = dist.get_global_rank(group, 0)
-        self.state_synced = False
+        self.api = api
+        try:
+            self.world = dist.get_world_size(group)
+            self.src = dist.get_global_rank(group, 0)
+        except Exception as exc:
+            raise type(exc)(f"{api}: process_group cannot be used: {exc}") from exc
+        # The parameters (and their requires_grad) that the processes last agreed on.
+        self._state: tuple[list[torch.Tensor], list[bool]] | None = None
         self._layout: _Layout | None = None
         self._lock = threading.Lock()
+        self._passes: set[int] = set()
+        self._passes_lock = threading.Lock()
 
     # -- forward ---------------------------------------------------------------------------
 
-    def before_forward(self, module: nn.Module, api: str, buffers: bool) -> None:
-        """Takes group rank 0's parameters and buffers at the first forward, and its buffers
-        when ``buffers`` at the later ones."""
+    def before_forward(self, module: nn.Module, buffers: bool) -> None:
+        """Takes group rank 0's parameters and buffers at the first forward and when the
+        parameters changed, and its buffers when ``buffers`` at the other ones."""
         if self.world == 1:
             return
+        params = list(module.parameters())
+        flags = [p.requires_grad for p in params]
+        state = self._state
         with torch.no_grad():
-            if not self.state_synced:
-                params, bufs = list(module.parameters()), list(module.buffers())
+            if (
+                state is None
+                or len(state[0]) != len(params)
+                or any(a is not b for a, b in zip(state[0], params))
+                or state[1] != flags
+            ):
+                bufs = list(module.buffers())
                 if params or bufs:
-                    self._check_same_module(params, bufs, api)
-                    self._broadcast(params + bufs, api)
-                self.state_synced = True
+                    self._check_same_module(params, bufs)
+                    self._broadcast(params + bufs)
+                self._state = (params, flags)
             elif buffers:
-                self._broadcast(list(module.buffers()), api)
+                self._broadcast(list(module.buffers()))
 
     def watch(self, module: nn.Module, outputs: Any, bucket_bytes: int | None) -> None:
         """Hooks ``outputs`` so that the backward pass through them averages the gradients."""
@@ -137,34 +185,33 @@ class ProcessGroupSync:
             return
         # Leaf outputs (a parameter or input returned as it is) are not hooked: a hook on a leaf
         # outlives the step, and the processes would add one per forward.
-        tensors = [
-            t
-            for t in tree_leaves(outputs)
-            if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None
-        ]
+        tensors = [t for t in _tensors_in(outputs) if t.requires_grad and t.grad_fn is not None]
         if not tensors:
             return
         layout = self._layout_of(module, bucket_bytes)
         if not layout.params:
             return
-        hook = _PassHook(self, layout)
+
+        def hook(grad: torch.Tensor) -> None:
+            self._reached(layout)
+
         for t in tensors:
             t.register_hook(hook)
 
     def _layout_of(self, module: nn.Module, bucket_bytes: int | None) -> _Layout:
-        params = [p for p in list(module.parameters()) if p.requires_grad]
+        params = [p for p in module.parameters() if p.requires_grad]
         size = _DEFAULT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes
         layout = self._layout
         if layout is None or layout.size != size or layout.key != [id(p) for p in params]:
-            layout = self._layout = _Layout(params, size)
+            layout = self._layout = _Layout(module, params, size)
         return layout
 
-    def _check_same_module(
-        self, params: list[torch.Tensor], buffers: list[torch.Tensor], api: str
-    ) -> None:
+    def _check_same_module(self, params: list[torch.Tensor], buffers: list[torch.Tensor]) -> None:
         dist = torch.distributed
         shapes = ";".join(
-            f"{tuple(t.shape)}:{t.dtype}" for t in params + [None] + buffers if t is not None
+            f"{tuple(t.shape)}:{t.dtype}:{t.requires_grad}"
+            for t in params + [None] + buffers
+            if t is not None
         )
         mine = [
             len(params),
@@ -177,12 +224,8 @@ class ProcessGroupSync:
         gathered = [
             torch.empty(len(mine), dtype=torch.int64, device=device) for _ in range(self.world)
         ]
-        try:
-            dist.all_gather(
-                gathered, torch.tensor(mine, dtype=torch.int64, device=device), group=self.group
-            )
-        except Exception as exc:
-            raise type(exc)(f"{api} (process_group): {exc}") from exc
+        mine_t = torch.tensor(mine, dtype=torch.int64, device=device)
+        self._collective(lambda: dist.all_gather(gathered, mine_t, group=self.group))
         rows = [g.tolist() for g in gathered]
         for rank, row in enumerate(rows):
             if row != rows[0]:
@@ -190,63 +233,140 @@ class ProcessGroupSync:
                 def text(r: list[int]) -> str:
                     return (
                         f"{r[0]} parameters ({r[1]} elements) and {r[2]} buffers ({r[3]} "
-                        "elements)" + ("" if r[:4] != rows[0][:4] else ", other shapes or dtypes")
+                        "elements)"
+                        + (
+                            ""
+                            if r[:4] != rows[0][:4]
+                            else ", other shapes, dtypes or requires_grad"
+                        )
                     )
 
                 raise RuntimeError(
-                    f"{api}: the processes of process_group wrap different modules: group rank "
-                    f"{rank} has {text(row)}, group rank 0 has {text(rows[0])}; every process "
-                    "must wrap the same model"
+                    f"{self.api}: the processes of process_group wrap different modules: group "
+                    f"rank {rank} has {text(row)}, group rank 0 has {text(rows[0])}; every process "
+                    "must wrap the same model (and change it alike)"
                 )
 
-    def _broadcast(self, tensors: list[torch.Tensor], api: str) -> None:
+    def _broadcast(self, tensors: list[torch.Tensor]) -> None:
         dist = torch.distributed
         groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         for t in tensors:
-            if t.numel() and not t.is_sparse and t.device.type != "meta":
+            if t.numel() and t.layout == torch.strided and t.device.type != "meta":
                 groups.setdefault((t.device, t.dtype), []).append(t.detach())
         for members in groups.values():
             flat = torch.cat([t.reshape(-1) for t in members])
-            try:
-                dist.broadcast(flat, src=self.src, group=self.group)
-            except Exception as exc:
-                raise type(exc)(f"{api} (process_group): {exc}") from exc
+            self._collective(lambda f=flat: dist.broadcast(f, src=self.src, group=self.group))
             torch._foreach_copy_(
                 members,
                 [v.view_as(t) for v, t in zip(flat.split([t.numel() for t in members]), members)],
             )
 
+    def _collective(self, run: Callable[[], Any]) -> Any:
+        try:
+            return run()
+        except Exception as exc:
+            raise type(exc)(f"{self.api} (process_group): {exc}") from exc
+
     # -- backward --------------------------------------------------------------------------
+
+    def _reached(self, layout: _Layout) -> None:
+        """A hooked output's gradient: queues the reduction once per backward pass."""
+        task = torch._C._current_graph_task_id()
+        # Outputs on several devices (gather_output=False) reach their hooks on several autograd
+        # threads at once, and a pass may go through several forwards: one reduction per pass, or
+        # the processes could disagree on how many there are.
+        with self._passes_lock:
+            if task in self._passes:
+                return
+            self._passes.add(task)
+        if not layout.accumulates():
+            return
+
+        def later() -> None:
+            with self._passes_lock:
+                self._passes.discard(task)
+            _queue(lambda: self.reduce(layout))
+
+        _queue(later)
 
     def reduce(self, layout: _Layout) -> None:
         """Averages the gradients of ``layout``'s parameters over the group (an engine callback)."""
         dist = torch.distributed
         with torch.no_grad(), self._lock:
+            writes: list[tuple[torch.Tensor, torch.Tensor]] = []  # (parameter, new .grad)
             pending = []
             for bucket in layout.buckets:
                 grads = []
                 for p in bucket:
-                    if p.grad is None:
-                        p.grad = torch.zeros_like(p)
-                    grads.append(p.grad)
-                dense = [g for g in grads if g.layout == torch.strided]
-                for g in grads:
-                    if g.layout != torch.strided:  # sparse: reduced on its own
-                        g.div_(self.world)
-                        dist.all_reduce(g, group=self.group)
-                if not dense:
-                    continue
-                flat = torch.cat([g.reshape(-1) for g in dense])
+                    g = p.grad
+                    if g is None:
+                        g = torch.zeros_like(p)
+                    elif g.layout != torch.strided:  # a sparse gradient outside an embedding
+                        g = g.to_dense()
+                    grads.append(g)
+                flat = torch.cat([g.reshape(-1) for g in grads])
                 flat.div_(self.world)
-                pending.append(
-                    (dist.all_reduce(flat, group=self.group, async_op=True), flat, dense)
+                work = self._collective(
+                    lambda f=flat: dist.all_reduce(f, group=self.group, async_op=True)
                 )
-            for work, flat, dense in pending:
-                work.wait()
-                sizes = [g.numel() for g in dense]
-                torch._foreach_copy_(
-                    dense, [v.view_as(g) for v, g in zip(flat.split(sizes), dense)]
-                )
+                pending.append((work, flat, bucket, grads))
+            for p in layout.sparse:
+                g = p.grad
+                if g is None:
+                    g = torch.sparse_coo_tensor(
+                        torch.empty((1, 0), dtype=torch.long, device=p.device),
+                        torch.empty((0, *p.shape[1:]), dtype=p.dtype, device=p.device),
+                        p.shape,
+                    )
+                elif g.layout == torch.strided:
+                    g = g.to_sparse(1)
+                g = g.coalesce() / self.world
+                self._collective(lambda g=g: dist.all_reduce(g, group=self.group))
+                writes.append((p, g))
+            for work, _, _, _ in pending:
+                self._collective(work.wait)
+            # Every reduction is done: only now are gradients written.
+            for _, flat, bucket, grads in pending:
+                for p, g, v in zip(bucket, grads, flat.split([g.numel() for g in grads])):
+                    current = p.grad
+                    if current is not None and current.layout == torch.strided:
+                        current.copy_(v.view_as(current))
+                    else:
+                        writes.append((p, v.view_as(g).clone()))
+            for p, g in writes:
+                p.grad = g
+
+
+def _tensors_in(obj: Any) -> list[torch.Tensor]:
+    """The tensors inside a forward's output (lists, tuples, dicts and their subclasses,
+    dataclasses and pytree-registered types, as deep as they go)."""
+    found: list[torch.Tensor] = []
+    seen: set[int] = set()
+
+    def walk(o: Any) -> None:
+        if isinstance(o, torch.Tensor):
+            found.append(o)
+            return
+        if id(o) in seen:
+            return
+        seen.add(id(o))
+        if isinstance(o, (list, tuple)):
+            for v in o:
+                walk(v)
+        elif isinstance(o, dict):
+            for v in o.values():
+                walk(v)
+        elif dataclasses.is_dataclass(o) and not isinstance(o, type):
+            for f in dataclasses.fields(o):
+                walk(getattr(o, f.name, None))
+        else:
+            leaves = tree_leaves(o)
+            if not (len(leaves) == 1 and leaves[0] is o):
+                for v in leaves:
+                    walk(v)
+
+    walk(obj)
+    return found
 
 
 def _collective_device(tensors: list[torch.Tensor]) -> torch.device:
@@ -254,36 +374,6 @@ def _collective_device(tensors: list[torch.Tensor]) -> torch.device:
         if t.device.type not in ("cpu", "meta"):
             return t.device
     return torch.device("cpu")
-
-
-class _PassHook:
-    """The hook of one forward's outputs: queues the reduction once per backward pass."""
-
-    def __init__(self, sync: ProcessGroupSync, layout: _Layout) -> None:
-        self.sync = sync
-        self.layout = layout
-        self.passes: set[int] = set()
-        # Outputs on several devices (gather_output=False) reach their hooks on several autograd
-        # threads at once: one of them queues the reduction, or the processes could disagree on
-        # how many reductions a pass makes.
-        self.lock = threading.Lock()
-
-    def __call__(self, grad: torch.Tensor) -> None:
-        task = torch._C._current_graph_task_id()
-        with self.lock:
-            if task in self.passes:
-                return
-            self.passes.add(task)
-        if not any(torch._C._will_engine_execute_node(n) for n in self.layout.nodes):
-            return  # torch.autograd.grad of something else: no parameter gradient changes
-        sync, layout = self.sync, self.layout
-
-        def later() -> None:
-            with self.lock:
-                self.passes.discard(task)
-            _queue(lambda: sync.reduce(layout))
-
-        _queue(later)
 
 
 def _queue(callback: Callable[[], None]) -> None:

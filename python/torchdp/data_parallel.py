@@ -462,7 +462,7 @@ class DataParallel(_TorchDataParallel[T]):
             _SYNCS.pop(self, None)
             return
         _check_graphs_and_group(self.cuda_graphs, api)
-        _SYNCS[self] = ProcessGroupSync(group)
+        _SYNCS[self] = ProcessGroupSync(group, api)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -496,7 +496,7 @@ class DataParallel(_TorchDataParallel[T]):
             if self.device_ids:
                 self._check_or_place_module()  # the state is synchronised where it will run
             grad_sync = torch.is_grad_enabled() and self.require_backward_grad_sync
-            sync.before_forward(self.module, api, grad_sync and self.broadcast_buffers)
+            sync.before_forward(self.module, grad_sync and self.broadcast_buffers)
             outputs = self._forward(inputs, kwargs)
             if grad_sync:
                 sync.watch(self.module, outputs, _bucket_bytes(self.bucket_cap_mb, api))

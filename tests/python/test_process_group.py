@@ -4,6 +4,7 @@ must train like one process on the whole batch."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import traceback
 
@@ -39,6 +40,35 @@ class _Branchy(nn.Module):
     def forward(self, x: torch.Tensor, use_extra: bool = False) -> torch.Tensor:
         y = self.body(x)
         return y + self.extra(x) if use_extra else y
+
+
+@dataclasses.dataclass
+class _Out:
+    value: torch.Tensor
+
+
+class _DataclassOut(nn.Module):
+    """Returns an unregistered dataclass (not a pytree node)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(6)
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> _Out:
+        return _Out(self.fc(x))
+
+
+class _SparseEmbedding(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(7)
+        self.emb = nn.Embedding(6, 3, sparse=True)
+        self.fc = nn.Linear(3, 3)
+
+    def forward(self, ids: torch.Tensor, use: bool = True) -> torch.Tensor:
+        h = self.fc.weight.sum() * torch.ones(ids.shape + (3,), device=ids.device)
+        return h + self.emb(ids) if use else h
 
 
 class _ReturnsWeight(nn.Module):
@@ -153,6 +183,62 @@ def _scenarios(rank: int, devices: list[str] | None) -> dict:
         leaf(x.to(dev)).sum().backward()
     out["leaf_hooks"] = len(leaf.module.weight._backward_hooks or {})
 
+    # Gradients with respect to the parameters from torch.autograd.grad: returned, not averaged,
+    # and .grad stays None.
+    dp = _wrap(_mlp(seed=rank), devices, process_group=dist.group.WORLD)
+    params = list(dp.parameters())
+    grads = torch.autograd.grad(dp(x.to(dev)).sum(), params)
+    out["autograd_grad_params"] = (
+        [p.grad for p in params],
+        all(g is not None and g.abs().sum() > 0 for g in grads),
+    )
+
+    # An output torch.utils._pytree cannot take apart (an unregistered dataclass): its tensors
+    # are found all the same. Two forwards, one backward: one reduction.
+    calls = []
+    reduce = torchdp._process_group.ProcessGroupSync.reduce
+
+    def counting(self, layout):
+        calls.append(1)
+        return reduce(self, layout)
+
+    torchdp._process_group.ProcessGroupSync.reduce = counting
+    try:
+        # gather cannot take the dataclass apart either: per-replica outputs.
+        dp = _wrap(_DataclassOut(), devices, process_group=dist.group.WORLD, gather_output=False)
+        xr = torch.randn(4, 8, generator=torch.Generator().manual_seed(20 + rank)).to(dev)
+        loss = sum(o.value.sum() for o in dp(xr)) + sum(o.value.sum() for o in dp(xr * 2))
+        loss.backward()
+    finally:
+        torchdp._process_group.ProcessGroupSync.reduce = reduce
+    out["dataclass_grad"] = dp.module.fc.weight.grad.cpu()
+    out["dataclass_reductions"] = len(calls)
+    plain = _DataclassOut()
+    (plain(xr.cpu()).value.sum() + plain(xr.cpu() * 2).value.sum()).backward()
+    out["dataclass_local_grad"] = plain.fc.weight.grad
+
+    # A sparse embedding used in one process only: its gradient is all-reduced as a sparse
+    # tensor in both (an empty one where unused), with no mismatch between them.
+    dp = _wrap(_SparseEmbedding(), devices, process_group=dist.group.WORLD)
+    ids = torch.tensor([[1, 2], [3, 4]], device=dev)
+    dp(ids, use=rank == 1).sum().backward()
+    out["sparse_grad"] = dp.module.emb.weight.grad.cpu().to_dense()
+    out["sparse_layout"] = dp.module.emb.weight.grad.layout
+    plain = _SparseEmbedding()
+    plain(ids.cpu(), use=rank == 1).sum().backward()
+    out["sparse_local"] = (
+        None if plain.emb.weight.grad is None else plain.emb.weight.grad.to_dense()
+    )
+
+    # The module changes after the first forward (a new head, alike in every process, but with
+    # each process's own initialisation): the next forward takes rank 0's again.
+    dp = _wrap(_mlp(seed=0), devices, process_group=dist.group.WORLD)
+    dp(x.to(dev))
+    torch.manual_seed(100 + rank)
+    dp.module[4] = nn.Linear(32, 4).to(dev)
+    dp(x.to(dev))
+    out["new_head"] = dp.module[4].weight.detach().cpu()
+
     # Modules that differ between processes are refused by both.
     try:
         _wrap(nn.Linear(8, 4 + rank), devices, process_group=dist.group.WORLD)(x.to(dev))
@@ -231,6 +317,16 @@ def _check(results: list[dict]) -> None:
 
     for res in results:
         assert res["leaf_hooks"] == 0
+        param_grads, returned = res["autograd_grad_params"]
+        assert param_grads == [None] * 6 and returned
+        assert res["dataclass_reductions"] == 1
+        assert res["sparse_layout"] == torch.sparse_coo
+    dataclass_mean = (results[0]["dataclass_local_grad"] + results[1]["dataclass_local_grad"]) / 2
+    assert results[0]["sparse_local"] is None and results[1]["sparse_local"] is not None
+    for res in results:
+        torch.testing.assert_close(res["dataclass_grad"], dataclass_mean)
+        torch.testing.assert_close(res["sparse_grad"], results[1]["sparse_local"] / 2)
+    torch.testing.assert_close(results[0]["new_head"], results[1]["new_head"])
     for res in results:
         msg = res["mismatch"]
         assert msg is not None and "torchdp.DataParallel" in msg
@@ -291,7 +387,7 @@ def test_process_group_type_and_cuda_graphs_are_checked(world_of_one):
     with pytest.raises(
         TypeError,
         match=r"process_group must be a torch.distributed.ProcessGroup "
-        r".*got str",
+        r".*got 'world' \(str\)",
     ):
         torchdp.DataParallel(nn.Linear(2, 2), process_group="world")
     with pytest.raises(ValueError, match="not a member of the process_group"):
