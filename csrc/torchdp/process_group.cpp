@@ -9,6 +9,7 @@
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/variable.h>
+#include <torch/nn/modules/embedding.h>
 
 #include <map>
 #include <set>
@@ -22,22 +23,27 @@
 // DataParallel sums the gradients of one process's replicas into the module's parameters. With a
 // process group, the processes of the group then average those sums, as DistributedDataParallel
 // does, so that one process per host trains like one process on the global batch. The Python
-// wrapper does the same in torchdp/_process_group.py.
+// wrapper does the same in torchdp/_process_group.py (its Note has the same name).
 //
-// - First forward: the processes compare their modules (number and elements of parameters and
-//   buffers, a hash of shapes and dtypes; a mismatch fails in every process) and take group rank
-//   0's values. DDP does this at construction; here the module has reached its device by then.
+// - First forward, and the first forward after the parameters changed (other tensors, another
+//   requires_grad): the processes compare their modules (number and elements of parameters and
+//   buffers, a hash of shapes, dtypes and requires_grad; a mismatch fails in every process) and
+//   take group rank 0's values. DDP does this at construction; here the module has reached its
+//   device by then. The processes must change their modules alike.
 // - Each forward with grad mode on, outside no_sync(): group rank 0's buffers first
-//   (broadcast_buffers), then the outputs are hooked.
+//   (broadcast_buffers), then the outputs are hooked (not leaf outputs: a hook on a leaf would
+//   outlive the step).
 // - The first hooked output that a backward pass reaches queues an engine callback, which queues
 //   the reduction as a second callback: that runs after every callback queued later in the pass
 //   (the gradient buckets' own, which give unused parameters their zeros), when every gradient of
-//   the pass is in place. A pass that accumulates into none of the parameters (autograd::grad of
-//   other tensors) reduces nothing.
+//   the pass is in place. One reduction per pass, however many forwards it goes through. A pass
+//   that writes none of the parameters' gradients (autograd::grad) reduces nothing.
 // - The reduction divides each bucket (parameters in reverse order, by device and dtype, up to
-//   bucket_cap_mb) by the group's size, all-reduces every bucket, then waits and copies the
-//   averages into .grad. Every process must hold the same buckets, so a parameter without a
-//   gradient takes part with zeros and gets the average.
+//   bucket_cap_mb) by the group's size, all-reduces every bucket, waits for all and only then
+//   copies the averages into .grad (a failure leaves the gradients as they were). Every process
+//   must hold the same buckets, so a parameter without a gradient takes part with zeros and gets
+//   the average. The weights of sparse Embedding/EmbeddingBag modules are all-reduced one by one
+//   as sparse tensors (empty ones where unused); other sparse gradients are reduced densely.
 // Averaging a gradient that is already equal in every process leaves it as it is, so gradients
 // accumulated over several passes (with or without no_sync) come out right.
 
@@ -100,17 +106,29 @@ struct ProcessGroupSync::Layout {
   std::vector<at::Tensor> params;
   std::vector<Edge> accumulators; // kept, so that they stay the parameters' nodes
   std::vector<std::vector<size_t>> buckets;
+  std::vector<size_t> sparse; // sparse embeddings' weights, reduced one by one as sparse tensors
   c10::intrusive_ptr<c10d::ProcessGroup> group;
-  std::mutex reduce_mutex;
+  std::string api;
 
+  // Whether the running backward pass writes the gradient of one of the parameters (not when
+  // autograd::grad only captures them).
   bool accumulates_in_current_pass() const {
     const auto* info = torch::autograd::get_current_graph_task_exec_info();
-    if (info == nullptr || info->empty()) {
-      return true; // a plain backward: every node of the graph runs
+    if (info == nullptr || info->empty()) { // a plain backward: every node of the graph runs
+      const auto* nodes = torch::autograd::get_current_graph_task_nodes_in_graph();
+      if (nodes == nullptr) {
+        return true;
+      }
+      for (const auto& edge : accumulators) {
+        if (nodes->count(edge.function.get()) > 0) {
+          return true;
+        }
+      }
+      return false;
     }
     for (const auto& edge : accumulators) {
       auto it = info->find(edge.function.get());
-      if (it != info->end() && it->second.should_execute()) {
+      if (it != info->end() && it->second.needed_) {
         return true;
       }
     }
@@ -119,92 +137,117 @@ struct ProcessGroupSync::Layout {
 
   void reduce() {
     at::NoGradGuard no_grad;
-    std::lock_guard<std::mutex> lock(reduce_mutex);
     const double world = static_cast<double>(group->getSize());
     struct Pending {
       c10::intrusive_ptr<c10d::Work> work;
       at::Tensor flat;
+      std::vector<size_t> members;
       std::vector<at::Tensor> grads;
     };
     std::vector<Pending> pending;
+    std::vector<std::pair<size_t, at::Tensor>> writes; // (parameter, new grad)
     for (const auto& bucket : buckets) {
-      std::vector<at::Tensor> dense;
-      for (const auto k : bucket) {
-        auto& p = params[k];
-        if (!p.grad().defined()) {
-          p.mutable_grad() = at::zeros_like(p);
-        }
-        auto g = p.grad();
-        if (g.layout() != c10::kStrided) { // sparse: reduced on its own
-          g.div_(world);
-          std::vector<at::Tensor> one{g};
-          group->allreduce(one)->wait();
-          continue;
-        }
-        dense.push_back(g);
-      }
-      if (dense.empty()) {
-        continue;
-      }
+      std::vector<at::Tensor> grads;
       std::vector<at::Tensor> pieces;
-      pieces.reserve(dense.size());
-      for (const auto& g : dense) {
+      for (const auto k : bucket) {
+        const auto& p = params[k];
+        auto g = p.grad();
+        if (!g.defined()) {
+          g = at::zeros_like(p);
+        } else if (g.layout() != c10::kStrided) { // a sparse gradient outside an embedding
+          g = g.to_dense();
+        }
         pieces.push_back(g.reshape(-1));
+        grads.push_back(std::move(g));
       }
       auto flat = at::cat(pieces);
       flat.div_(world);
       std::vector<at::Tensor> one{flat};
-      auto work = group->allreduce(one);
-      pending.push_back({std::move(work), std::move(flat), std::move(dense)});
+      c10::intrusive_ptr<c10d::Work> work;
+      collective(api, [&] {
+        work = group->allreduce(one);
+      });
+      pending.push_back({std::move(work), std::move(flat), bucket, std::move(grads)});
+    }
+    for (const auto k : sparse) {
+      const auto& p = params[k];
+      auto g = p.grad();
+      if (!g.defined()) {
+        auto sizes = p.sizes().vec();
+        sizes[0] = 0;
+        g = at::sparse_coo_tensor(at::empty({1, 0}, p.options().dtype(at::kLong)),
+                                  at::empty(sizes, p.options()), p.sizes());
+      } else if (g.layout() == c10::kStrided) {
+        g = g.to_sparse(1);
+      }
+      std::vector<at::Tensor> one{g.coalesce().div(world)};
+      collective(api, [&] {
+        group->allreduce(one)->wait();
+      });
+      writes.emplace_back(k, one[0]);
     }
     for (auto& p : pending) {
-      p.work->wait();
+      collective(api, [&] {
+        p.work->wait();
+      });
+    }
+    // Every reduction is done: only now are gradients written.
+    for (auto& p : pending) {
       int64_t offset = 0;
-      for (auto& g : p.grads) {
-        g.copy_(p.flat.narrow(0, offset, g.numel()).view(g.sizes()));
+      for (const auto i : c10::irange(p.members.size())) {
+        const auto k = p.members[i];
+        const auto& g = p.grads[i];
+        auto average = p.flat.narrow(0, offset, g.numel()).view(g.sizes());
         offset += g.numel();
+        auto current = params[k].grad();
+        if (current.defined() && current.layout() == c10::kStrided) {
+          current.copy_(average);
+        } else {
+          writes.emplace_back(k, average.clone());
+        }
       }
+    }
+    for (auto& [k, g] : writes) {
+      params[k].mutable_grad() = g;
     }
   }
 };
 
-namespace {
-
-// The hook of one forward's outputs: queues the reduction once per backward pass.
-struct PassHook {
-  std::shared_ptr<ProcessGroupSync::Layout> layout;
+// What the hooks of all forwards of one ProcessGroupSync share: one reduction per pass.
+struct ProcessGroupSync::Passes {
   std::mutex mutex;
-  std::set<int> passes;
+  std::set<int> queued;
+  std::mutex reduce_mutex;
 
-  static void reached(const std::shared_ptr<PassHook>& self) {
+  static void reached(const std::shared_ptr<Passes>& self,
+                      const std::shared_ptr<ProcessGroupSync::Layout>& layout) {
     const int task = torch::autograd::get_current_graph_task_id();
     {
-      // Outputs on several devices reach their hooks on several autograd threads at once.
+      // Outputs on several devices reach their hooks on several autograd threads at once, and a
+      // pass may go through several forwards.
       std::lock_guard<std::mutex> lock(self->mutex);
-      if (!self->passes.insert(task).second) {
+      if (!self->queued.insert(task).second) {
         return;
       }
     }
-    if (!self->layout->accumulates_in_current_pass()) {
+    if (!layout->accumulates_in_current_pass()) {
       return;
     }
-    queue([self, task] {
+    queue([self, layout, task] {
       {
         std::lock_guard<std::mutex> lock(self->mutex);
-        self->passes.erase(task);
+        self->queued.erase(task);
       }
-      auto layout = self->layout;
-      queue([layout] {
+      queue([self, layout] {
+        std::lock_guard<std::mutex> lock(self->reduce_mutex);
         layout->reduce();
       });
     });
   }
 };
 
-} // namespace
-
 ProcessGroupSync::ProcessGroupSync(c10::intrusive_ptr<c10d::ProcessGroup> group, std::string api)
-    : group_(std::move(group)), api_(std::move(api)) {
+    : group_(std::move(group)), api_(std::move(api)), passes_(std::make_shared<Passes>()) {
   TORCH_CHECK(group_, api_, ": process_group is empty");
 }
 
@@ -213,8 +256,17 @@ void ProcessGroupSync::before_forward(const torch::nn::Module& module, bool buff
     return;
   }
   at::NoGradGuard no_grad;
-  if (!state_synced_) {
-    const auto params = unique(module.parameters());
+  const auto params = unique(module.parameters());
+  std::vector<bool> flags;
+  flags.reserve(params.size());
+  for (const auto& p : params) {
+    flags.push_back(p.requires_grad());
+  }
+  bool changed = !state_synced_ || synced_params_.size() != params.size() || synced_flags_ != flags;
+  for (size_t i = 0; !changed && i < params.size(); ++i) {
+    changed = !synced_params_[i].is_same(params[i]);
+  }
+  if (changed) {
     const auto bufs = unique(module.buffers());
     if (!params.empty() || !bufs.empty()) {
       check_same_module(params, bufs);
@@ -222,6 +274,8 @@ void ProcessGroupSync::before_forward(const torch::nn::Module& module, bool buff
       all.insert(all.end(), bufs.begin(), bufs.end());
       broadcast(all);
     }
+    synced_params_ = params;
+    synced_flags_ = std::move(flags);
     state_synced_ = true;
   } else if (buffers) {
     broadcast(unique(module.buffers()));
@@ -234,7 +288,7 @@ void ProcessGroupSync::check_same_module(const std::vector<at::Tensor>& params,
   int64_t param_numel = 0;
   int64_t buffer_numel = 0;
   for (const auto& p : params) {
-    shapes << p.sizes() << ':' << p.scalar_type() << ';';
+    shapes << p.sizes() << ':' << p.scalar_type() << ':' << p.requires_grad() << ';';
     param_numel += p.numel();
   }
   shapes << '|';
@@ -265,13 +319,13 @@ void ProcessGroupSync::check_same_module(const std::vector<at::Tensor>& params,
   auto text = [&](const std::vector<int64_t>& r) {
     const bool same_counts = std::equal(r.begin(), r.begin() + 4, rows[0].begin());
     return c10::str(r[0], " parameters (", r[1], " elements) and ", r[2], " buffers (", r[3],
-                    " elements)", same_counts ? ", other shapes or dtypes" : "");
+                    " elements)", same_counts ? ", other shapes, dtypes or requires_grad" : "");
   };
   for (const auto rank : c10::irange(rows.size())) {
     TORCH_CHECK(rows[rank] == rows[0], api_,
                 ": the processes of process_group wrap different modules: group rank ", rank,
                 " has ", text(rows[rank]), ", group rank 0 has ", text(rows[0]),
-                "; every process must wrap the same model");
+                "; every process must wrap the same model (and change it alike)");
   }
 }
 
@@ -321,8 +375,18 @@ std::shared_ptr<ProcessGroupSync::Layout> ProcessGroupSync::layout_of(
   layout->size = bucket_bytes;
   layout->params = std::move(params);
   layout->group = group_;
+  layout->api = api_;
   for (const auto& p : layout->params) {
     layout->accumulators.push_back(torch::autograd::impl::gradient_edge(p));
+  }
+  std::unordered_set<const c10::TensorImpl*> sparse_weights;
+  for (const auto& m : module.modules()) {
+    if (const auto* e = m->as<torch::nn::Embedding>(); e != nullptr && e->options.sparse()) {
+      sparse_weights.insert(e->weight.unsafeGetTensorImpl());
+    } else if (const auto* b = m->as<torch::nn::EmbeddingBag>();
+               b != nullptr && b->options.sparse()) {
+      sparse_weights.insert(b->weight.unsafeGetTensorImpl());
+    }
   }
   // Reverse registration order, one open bucket per device and dtype, at most bucket_bytes each.
   std::map<std::tuple<c10::DeviceType, c10::DeviceIndex, c10::ScalarType>,
@@ -330,6 +394,10 @@ std::shared_ptr<ProcessGroupSync::Layout> ProcessGroupSync::layout_of(
       open;
   for (size_t k = layout->params.size(); k-- > 0;) {
     const auto& p = layout->params[k];
+    if (sparse_weights.count(p.unsafeGetTensorImpl()) > 0) {
+      layout->sparse.push_back(k);
+      continue;
+    }
     const std::tuple<c10::DeviceType, c10::DeviceIndex, c10::ScalarType> kind{
         p.device().type(), p.device().index(), p.scalar_type()};
     const size_t nbytes = static_cast<size_t>(p.numel()) * p.element_size();
@@ -365,11 +433,10 @@ void ProcessGroupSync::watch(const torch::nn::Module& module,
   if (layout->params.empty()) {
     return;
   }
-  auto hook = std::make_shared<PassHook>();
-  hook->layout = std::move(layout);
+  auto passes = passes_;
   for (auto& t : hooked) {
-    t.register_hook([hook](const at::Tensor&) {
-      PassHook::reached(hook);
+    t.register_hook([passes, layout](const at::Tensor&) {
+      Passes::reached(passes, layout);
     });
   }
 }

@@ -30,8 +30,9 @@ class ProcessGroupSync {
     return group_;
   }
 
-  /// At the first call: checks that every process wraps the same parameters and buffers and
-  /// takes group rank 0's values. Later, group rank 0's buffers when `buffers`.
+  /// At the first call, and when the parameters changed: checks that every process wraps the
+  /// same parameters and buffers and takes group rank 0's values. Otherwise group rank 0's
+  /// buffers when `buffers`.
   void before_forward(const torch::nn::Module& module, bool buffers);
 
   /// Hooks `outputs` (those that require grad) so that a backward pass through them ends with the
@@ -41,6 +42,7 @@ class ProcessGroupSync {
              size_t bucket_bytes);
 
   struct Layout;
+  struct Passes;
 
  private:
   std::shared_ptr<Layout> layout_of(const torch::nn::Module& module, size_t bucket_bytes);
@@ -51,7 +53,11 @@ class ProcessGroupSync {
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   std::string api_;
   bool state_synced_ = false;
+  // The parameters (and their requires_grad) that the processes last agreed on.
+  std::vector<at::Tensor> synced_params_;
+  std::vector<bool> synced_flags_;
   std::shared_ptr<Layout> layout_;
+  std::shared_ptr<Passes> passes_;
 };
 
 } // namespace torchdp::detail

@@ -230,6 +230,27 @@ struct ReturnsWeightImpl : torch::nn::Cloneable<ReturnsWeightImpl> {
 };
 TORCH_MODULE(ReturnsWeight);
 
+// A sparse embedding that takes part in the forward only when `use`.
+struct SparseEmbeddingImpl : torch::nn::Cloneable<SparseEmbeddingImpl> {
+  explicit SparseEmbeddingImpl(bool use) : use(use) {
+    reset();
+  }
+  void reset() override {
+    torch::manual_seed(7);
+    emb = register_module("emb",
+                          torch::nn::Embedding(torch::nn::EmbeddingOptions(6, 3).sparse(true)));
+    fc = register_module("fc", torch::nn::Linear(3, 3));
+  }
+  torch::Tensor forward(const torch::Tensor& ids) {
+    auto h = fc->weight.sum() * torch::ones({ids.size(0), ids.size(1), 3});
+    return use ? h + emb(ids) : h;
+  }
+  bool use;
+  torch::nn::Embedding emb{nullptr};
+  torch::nn::Linear fc{nullptr};
+};
+TORCH_MODULE(SparseEmbedding);
+
 // Rank 0's model trained by one process on the whole batches.
 std::vector<at::Tensor> reference_training() {
   auto model = mlp(0);
@@ -312,6 +333,15 @@ TEST_CASE("process_group: unused parameters, autograd::grad, buffers and mismatc
   std::vector<at::Tensor> running_means(kWorld * 2);
   std::vector<std::string> mismatch(kWorld);
   std::vector<int> leaf_reductions(kWorld, -1);
+  std::vector<int> grad_of_params_reductions(kWorld, -1);
+  std::vector<bool> grad_of_params_ok(kWorld, false);
+  std::vector<int> two_forward_reductions(kWorld, -1);
+  std::vector<at::Tensor> sparse_grads(kWorld);
+  std::vector<at::Tensor> sparse_local(kWorld);
+  std::vector<at::Tensor> new_heads(kWorld);
+  std::vector<SparseEmbedding> sparse_nets{SparseEmbedding(false), SparseEmbedding(true)};
+  std::vector<SparseEmbedding> sparse_locals{SparseEmbedding(false), SparseEmbedding(true)};
+  std::vector<Mlp> heads{mlp(0), mlp(0)};
   // Made here: torch's generator is global, and the ranks' threads would race for it.
   const auto inputs = torch::randn({kWorld, 6, 8});
   std::vector<Branchy> nets{Branchy(false), Branchy(true)};
@@ -369,6 +399,58 @@ TEST_CASE("process_group: unused parameters, autograd::grad, buffers and mismatc
     }
     leaf_reductions[r] = group->allreduces.load() - before;
 
+    // Gradients with respect to the parameters from autograd::grad: returned, nothing reduced,
+    // no .grad written.
+    {
+      torchdp::DataParallel g(
+          mlp(0), torchdp::DataParallelOptions().device_ids(cpu_devices(2)).process_group(group));
+      const int before_grad = group->allreduces.load();
+      auto grads = torch::autograd::grad({g->forward(x).sum()}, g->parameters());
+      grad_of_params_reductions[r] = group->allreduces.load() - before_grad;
+      bool ok = grads.size() == 4;
+      for (const auto& p : g->parameters()) {
+        ok = ok && !p.grad().defined();
+      }
+      grad_of_params_ok[r] = ok;
+
+      // Two forwards, one backward: one reduction (a single bucket here).
+      const int before_two = group->allreduces.load();
+      (g->forward(x).sum() + g->forward(x * 2).sum()).backward();
+      two_forward_reductions[r] = group->allreduces.load() - before_two;
+    }
+
+    // A sparse embedding used by rank 1 only: reduced as sparse tensors in both processes.
+    {
+      auto net_s = sparse_nets[r];
+      auto local_s = sparse_locals[r];
+      auto ids = torch::tensor({1, 2, 3, 4}, torch::kLong).view({2, 2});
+      local_s->forward(ids).sum().backward();
+      sparse_local[r] = local_s->emb->weight.grad().defined()
+                            ? local_s->emb->weight.grad().to_dense()
+                            : at::Tensor();
+      torchdp::DataParallel s(
+          net_s, torchdp::DataParallelOptions().device_ids(cpu_devices(2)).process_group(group));
+      s->forward(ids).sum().backward();
+      sparse_grads[r] = net_s->emb->weight.grad();
+    }
+
+    // A new head after the first forward, with each rank's own initialisation: the next
+    // forward takes rank 0's.
+    {
+      auto net_h = heads[r];
+      torchdp::DataParallel h(
+          net_h, torchdp::DataParallelOptions().device_ids(cpu_devices(2)).process_group(group));
+      h->forward(x);
+      {
+        torch::NoGradGuard no_grad;
+        auto head = torch::nn::Linear(16, 4);
+        head->weight.fill_(static_cast<double>(rank) + 1.0);
+        net_h->fc2 = net_h->replace_module("fc2", head);
+      }
+      h->forward(x);
+      new_heads[r] = net_h->fc2->weight.detach().clone();
+    }
+
     // Different modules: refused in every process.
     mismatch[r] = error_message([&] {
       torchdp::DataParallel bad(
@@ -389,6 +471,18 @@ TEST_CASE("process_group: unused parameters, autograd::grad, buffers and mismatc
   CHECK(torch::equal(running_means[0], running_means[2]));
   CHECK_FALSE(torch::equal(running_means[1], running_means[3]));
   CHECK(leaf_reductions == std::vector<int>(kWorld, 0));
+  CHECK(grad_of_params_reductions == std::vector<int>(kWorld, 0));
+  CHECK(grad_of_params_ok == std::vector<bool>(kWorld, true));
+  CHECK(two_forward_reductions == std::vector<int>(kWorld, 1));
+  REQUIRE_FALSE(sparse_local[0].defined());
+  REQUIRE(sparse_local[1].defined());
+  for (const auto& g : sparse_grads) {
+    REQUIRE(g.defined());
+    CHECK(g.is_sparse());
+    CHECK(torch::allclose(g.to_dense(), sparse_local[1] / 2));
+  }
+  CHECK(torch::equal(new_heads[0], new_heads[1]));
+  CHECK(torch::equal(new_heads[0], torch::ones({4, 16})));
   for (const auto& m : mismatch) {
     CHECK(m.find("torchdp::DataParallel: the processes of process_group wrap different modules: "
                  "group rank 1 has 2 parameters (45 elements)") != std::string::npos);
