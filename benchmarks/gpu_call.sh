@@ -21,12 +21,14 @@
 #             kept replicas and with new ones at every step (cache_replicas), into results/
 #   snapshot  benchmarks/probe_buffer_snapshot.py on cuda:0 (the buffer copy of every replicated
 #             forward, Note [Buffers of failed forwards]), into results/
+#   pg        benchmarks/bench_process_group.py, one process per GPU over NCCL: DDP, torchdp's
+#             process_group option and DDP around torchdp, into results/ (two GPUs or more)
 #   test      make test (TORCHDP_REQUIRE_CUDA=1 with two GPUs or more)
 # Environment: OUT (required), BUDGET_S (seconds for the whole call, default 560),
 # TORCHDP_GIT_REV (pass it: the device tool's copy of the tree may carry an older .git, so the
 # default, git rev-parse --short HEAD, can name the wrong revision).
 set -u -o pipefail
-name=${1:?usage: gpu_call.sh <name> [priority|bench|probe|broadcast|phases|kept|snapshot|test ...]}
+name=${1:?usage: gpu_call.sh <name> [priority|bench|probe|broadcast|phases|kept|snapshot|pg|test ...]}
 shift
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(priority bench kept broadcast phases probe test)
@@ -118,11 +120,20 @@ for step in "${steps[@]}"; do
       run probe-snapshot 30 env PYTHONPATH=python python benchmarks/probe_buffer_snapshot.py \
         --device cuda:0 --out "$logs/results/$name-buffer-snapshot.json"
       ;;
+    pg)
+      if [ "$gpus" -ge 2 ]; then
+        mkdir -p "$logs/results"
+        run bench-process-group 120 env PYTHONPATH=python python benchmarks/bench_process_group.py \
+          --out "$logs/results/$name-process-group.json"
+      else
+        echo "pg: needs two GPUs or more (one process per GPU), skipped" | tee -a "$summary"
+      fi
+      ;;
     test)
       run make-test 240 make test JOBS="$jobs"
       ;;
     *)
-      echo "unknown step '$step' (priority, bench, probe, broadcast, phases, kept, snapshot, test)" |
+      echo "unknown step '$step' (priority, bench, probe, broadcast, phases, kept, snapshot, pg, test)" |
         tee -a "$summary"
       ;;
   esac

@@ -275,3 +275,22 @@ def test_buffer_snapshot_probe_times_the_copy(tmp_path):
         assert r["refresh_cpu_us_count"] == 5 and r["refresh_cpu_us_median"] > 0
     assert records[2]["buffers"] > 0 and records[2]["buffer_bytes"] > 0
     assert "resnet50 on cpu" in proc.stdout
+
+
+def test_process_group_bench_times_every_mode(tmp_path):
+    out = tmp_path / "pg.json"
+    proc = _run_script(
+        "bench_process_group.py", "--smoke", "--procs", "2", "--models", "mlp200", "--out", str(out)
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    records = common.load(out)["records"]
+    assert [r["mode"] for r in records] == [
+        "single",
+        "ddp",
+        "torchdp_process_group",
+        "ddp_over_torchdp",
+    ]
+    for r in records:
+        assert r["bench"] == "process_group" and r["model"] == "mlp200"
+        assert r["step_ms_count"] == 3 and r["step_ms_median"] > 0 and r["speedup_vs_single"] > 0
+    assert "torchdp_process_group" in proc.stdout
