@@ -7,7 +7,7 @@
 #   bash benchmarks/gpu_call.sh <name> [step ...]
 #
 # Steps, in the order given (default: priority bench kept broadcast phases probe test; more than
-# one call holds: with two GPUs run `priority bench kept broadcast`, then `test phases probe`):
+# one call holds: with two GPUs run `priority bench kept broadcast`, then `test phases probe pg`):
 #   priority  the extension, then the graph, bucket and ordering tests (the ones new since the
 #             last run on this GPU count)
 #   bench     make bench (all modes side by side) and the profiled steps with traces
@@ -31,7 +31,7 @@ set -u -o pipefail
 name=${1:?usage: gpu_call.sh <name> [priority|bench|probe|broadcast|phases|kept|snapshot|pg|test ...]}
 shift
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(priority bench kept broadcast phases probe test)
+[ ${#steps[@]} -eq 0 ] && steps=(priority bench kept broadcast phases probe pg test)
 : "${OUT:?OUT must name the folder whose files come back}"
 
 # Never NVLink multicast on shared multi-GPU hosts (also for the processes the steps start).
