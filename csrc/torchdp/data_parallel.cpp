@@ -130,11 +130,13 @@ std::vector<at::Tensor> DataParallelImpl::run(std::vector<at::Tensor> inputs, co
     TORCH_CHECK(inputs[i].defined(), kApi, ": forward argument ", i, " is an undefined tensor");
   }
   check_fixed_options();
+  // The module's buffers, once it is on device_ids[0] (none when passing through).
+  const auto originals = device_ids_.empty() ? std::vector<at::Tensor>() : ensure_placement();
 #if TORCHDP_WITH_C10D
   const auto& group = options.process_group();
   if (!group) {
     sync_.reset();
-    return run_here(std::move(inputs), call, buffers);
+    return run_here(std::move(inputs), call, originals, buffers);
   }
   TORCH_CHECK(!options.cuda_graphs(), kApi,
               ": options.process_group cannot be combined with cuda_graphs (graphed replicas "
@@ -142,12 +144,10 @@ std::vector<at::Tensor> DataParallelImpl::run(std::vector<at::Tensor> inputs, co
   if (!sync_ || sync_->group() != group) {
     sync_ = std::make_shared<detail::ProcessGroupSync>(group, kApi);
   }
-  if (!device_ids_.empty()) {
-    ensure_placement(); // the state is synchronised where it will run
-  }
+  // The module is on its device by now: the state is synchronised where it will run.
   const bool grad_sync = c10::GradMode::is_enabled() && require_backward_grad_sync_;
   sync_->before_forward(*module_, grad_sync && options.broadcast_buffers());
-  auto outputs = run_here(std::move(inputs), call, buffers);
+  auto outputs = run_here(std::move(inputs), call, originals, buffers);
   if (grad_sync) {
     sync_->watch(*module_, outputs,
                  options.bucket_cap_mb()
@@ -156,16 +156,16 @@ std::vector<at::Tensor> DataParallelImpl::run(std::vector<at::Tensor> inputs, co
   }
   return outputs;
 #else
-  return run_here(std::move(inputs), call, buffers);
+  return run_here(std::move(inputs), call, originals, buffers);
 #endif
 }
 
 std::vector<at::Tensor> DataParallelImpl::run_here(std::vector<at::Tensor> inputs, const Call& call,
+                                                   const std::vector<at::Tensor>& originals,
                                                    std::shared_ptr<BufferSnapshot>* buffers) {
   if (device_ids_.empty()) {
     return {call(any_, inputs)};
   }
-  const auto originals = ensure_placement();
   const auto dim = options.dim();
   if (device_ids_.size() == 1) {
     for (auto& x : inputs) {

@@ -216,8 +216,10 @@ class DataParallelImpl : public torch::nn::Module {
   // (Note [Buffers of failed forwards]); the copy is handed out through `buffers` when given.
   std::vector<at::Tensor> run(std::vector<at::Tensor> inputs, const Call& call,
                               std::shared_ptr<BufferSnapshot>* buffers = nullptr);
-  // run() without the process group's part.
+  // run() without the process group's part; `originals`: the module's buffers, as
+  // ensure_placement() returned them (empty when passing through).
   std::vector<at::Tensor> run_here(std::vector<at::Tensor> inputs, const Call& call,
+                                   const std::vector<at::Tensor>& originals,
                                    std::shared_ptr<BufferSnapshot>* buffers);
   // run() through the graphed replicas (empty when this forward runs eagerly).
   std::vector<at::Tensor> run_graphed(const std::vector<std::vector<at::Tensor>>& chunks,

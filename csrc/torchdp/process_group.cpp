@@ -101,7 +101,6 @@ void queue(std::function<void()> callback) {
 } // namespace
 
 struct ProcessGroupSync::Layout {
-  std::vector<const c10::TensorImpl*> key;
   size_t size = 0;
   std::vector<at::Tensor> params;
   std::vector<Edge> accumulators; // kept, so that they stay the parameters' nodes
@@ -277,6 +276,7 @@ void ProcessGroupSync::before_forward(const torch::nn::Module& module, bool buff
     synced_params_ = params;
     synced_flags_ = std::move(flags);
     state_synced_ = true;
+    layout_.reset(); // made again at the next watch(), from these parameters
   } else if (buffers) {
     broadcast(unique(module.buffers()));
   }
@@ -359,19 +359,17 @@ void ProcessGroupSync::broadcast(const std::vector<at::Tensor>& tensors) {
 
 std::shared_ptr<ProcessGroupSync::Layout> ProcessGroupSync::layout_of(
     const torch::nn::Module& module, size_t bucket_bytes) {
-  std::vector<at::Tensor> params;
-  std::vector<const c10::TensorImpl*> key;
-  for (const auto& p : unique(module.parameters())) {
-    if (p.requires_grad()) {
-      params.push_back(p);
-      key.push_back(p.unsafeGetTensorImpl());
-    }
-  }
-  if (layout_ && layout_->size == bucket_bytes && layout_->key == key) {
+  // The parameters before_forward() last agreed on (no second walk of the module).
+  if (layout_ && layout_->size == bucket_bytes) {
     return layout_;
   }
+  std::vector<at::Tensor> params;
+  for (const auto i : c10::irange(synced_params_.size())) {
+    if (synced_flags_[i]) {
+      params.push_back(synced_params_[i]);
+    }
+  }
   auto layout = std::make_shared<Layout>();
-  layout->key = std::move(key);
   layout->size = bucket_bytes;
   layout->params = std::move(params);
   layout->group = group_;

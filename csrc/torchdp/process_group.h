@@ -37,7 +37,7 @@ class ProcessGroupSync {
 
   /// Hooks `outputs` (those that require grad) so that a backward pass through them ends with the
   /// module's gradients averaged over the group. `bucket_bytes`: 0 gives one bucket per device
-  /// and dtype.
+  /// and dtype. Call after before_forward(), whose parameters it buckets.
   void watch(const torch::nn::Module& module, const std::vector<at::Tensor>& outputs,
              size_t bucket_bytes);
 

@@ -97,7 +97,6 @@ class _Layout:
     """The parameters that need gradients, their AccumulateGrad nodes and the buckets."""
 
     def __init__(self, module: nn.Module, params: list[torch.Tensor], bucket_bytes: int) -> None:
-        self.key = [id(p) for p in params]
         self.size = bucket_bytes
         self.params = params
         self.nodes = [_accumulator(p) for p in params]
@@ -176,6 +175,7 @@ class ProcessGroupSync:
                     self._check_same_module(params, bufs)
                     self._broadcast(params + bufs)
                 self._state = (params, flags)
+                self._layout = None  # made again at the next watch(), from these parameters
             elif buffers:
                 self._broadcast(list(module.buffers()))
 
@@ -199,10 +199,12 @@ class ProcessGroupSync:
             t.register_hook(hook)
 
     def _layout_of(self, module: nn.Module, bucket_bytes: int | None) -> _Layout:
-        params = [p for p in module.parameters() if p.requires_grad]
+        """The buckets of the parameters before_forward() last agreed on (no second walk)."""
         size = _DEFAULT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes
         layout = self._layout
-        if layout is None or layout.size != size or layout.key != [id(p) for p in params]:
+        if layout is None or layout.size != size:
+            assert self._state is not None, "watch() runs after before_forward()"
+            params = [p for p, needs_grad in zip(*self._state) if needs_grad]
             layout = self._layout = _Layout(module, params, size)
         return layout
 

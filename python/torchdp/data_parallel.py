@@ -488,13 +488,14 @@ class DataParallel(_TorchDataParallel[T]):
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         with torch.autograd.profiler.record_function("DataParallel.forward"):
+            if self.device_ids:
+                self._check_or_place_module()
             sync = _SYNCS.get(self)
             if sync is None:
                 return self._forward(inputs, kwargs)
             api = "torchdp.DataParallel"
             _check_graphs_and_group(self.cuda_graphs, api)
-            if self.device_ids:
-                self._check_or_place_module()  # the state is synchronised where it will run
+            # The module is on its device by now: the state is synchronised where it will run.
             grad_sync = torch.is_grad_enabled() and self.require_backward_grad_sync
             sync.before_forward(self.module, grad_sync and self.broadcast_buffers)
             outputs = self._forward(inputs, kwargs)
@@ -506,8 +507,6 @@ class DataParallel(_TorchDataParallel[T]):
         if not self.device_ids:
             output = self.module(*inputs, **kwargs)
             return output if self.gather_output else [output]
-
-        self._check_or_place_module()
 
         inputs, module_kwargs = self.scatter(inputs, kwargs, self.device_ids)
         # An overridden scatter may say "no keyword arguments" with None (as parallel_apply).
