@@ -130,17 +130,20 @@ std::vector<at::Tensor> DataParallelImpl::run(std::vector<at::Tensor> inputs, co
     TORCH_CHECK(inputs[i].defined(), kApi, ": forward argument ", i, " is an undefined tensor");
   }
   check_fixed_options();
+#if TORCHDP_WITH_C10D
+  const auto& group = options.process_group();
+  // A conflict of options is reported before anything about the module (its placement).
+  TORCH_CHECK(!group || !options.cuda_graphs(), kApi,
+              ": options.process_group cannot be combined with cuda_graphs (graphed replicas "
+              "deliver their gradients outside the hooks that average them); drop one of the two");
+#endif
   // The module's buffers, once it is on device_ids[0] (none when passing through).
   const auto originals = device_ids_.empty() ? std::vector<at::Tensor>() : ensure_placement();
 #if TORCHDP_WITH_C10D
-  const auto& group = options.process_group();
   if (!group) {
     sync_.reset();
     return run_here(std::move(inputs), call, originals, buffers);
   }
-  TORCH_CHECK(!options.cuda_graphs(), kApi,
-              ": options.process_group cannot be combined with cuda_graphs (graphed replicas "
-              "deliver their gradients outside the hooks that average them); drop one of the two");
   if (!sync_ || sync_->group() != group) {
     sync_ = std::make_shared<detail::ProcessGroupSync>(group, kApi);
   }

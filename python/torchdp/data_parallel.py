@@ -488,13 +488,15 @@ class DataParallel(_TorchDataParallel[T]):
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         with torch.autograd.profiler.record_function("DataParallel.forward"):
+            api = "torchdp.DataParallel"
+            sync = _SYNCS.get(self)
+            if sync is not None:
+                # A conflict of options comes before anything about the module (its placement).
+                _check_graphs_and_group(self.cuda_graphs, api)
             if self.device_ids:
                 self._check_or_place_module()
-            sync = _SYNCS.get(self)
             if sync is None:
                 return self._forward(inputs, kwargs)
-            api = "torchdp.DataParallel"
-            _check_graphs_and_group(self.cuda_graphs, api)
             # The module is on its device by now: the state is synchronised where it will run.
             grad_sync = torch.is_grad_enabled() and self.require_backward_grad_sync
             sync.before_forward(self.module, grad_sync and self.broadcast_buffers)

@@ -515,6 +515,8 @@ TEST_CASE("process_group: cuda_graphs is refused, a group of one changes nothing
   dp->options.process_group(c10::intrusive_ptr<c10d::ProcessGroup>());
   dp->forward(x); // no group: the plain forward
 
+  // The conflict of options is named before anything about the module (here its placement: the
+  // module is on the CPU, device_ids name a GPU).
   TORCHDP_NEED_CUDA(devices, 1);
   torchdp::DataParallel graphed(
       mlp(0),

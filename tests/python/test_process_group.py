@@ -399,6 +399,15 @@ def test_process_group_type_and_cuda_graphs_are_checked(world_of_one):
     dp.cuda_graphs = 8
     with pytest.raises(ValueError, match="process_group cannot be combined with cuda_graphs"):
         dp(torch.randn(2, 2))
+    # The conflict is named before anything about the module, here its placement.
+    misplaced = torchdp.DataParallel(
+        nn.Linear(2, 2, device="meta"),
+        devices=[torch.device("cpu")] * 2,
+        process_group=world_of_one,
+    )
+    misplaced.cuda_graphs = 8
+    with pytest.raises(ValueError, match="process_group cannot be combined with cuda_graphs"):
+        misplaced(torch.randn(2, 2))
 
 
 def test_process_group_attribute_and_copies(world_of_one):
