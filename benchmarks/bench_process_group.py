@@ -41,8 +41,8 @@ import torchdp
 MODES = ("ddp", "torchdp_process_group", "ddp_over_torchdp")
 
 
-def _device(rank: int) -> torch.device:
-    return torch.device("cuda", rank) if torch.cuda.is_available() else torch.device("cpu")
+def _device(kind: str, rank: int) -> torch.device:
+    return torch.device("cuda", rank) if kind == "cuda" else torch.device("cpu")
 
 
 def _wrap(mode: str, model: nn.Module, device: torch.device) -> nn.Module:
@@ -62,10 +62,10 @@ def _worker(rank: int, world: int, store: str, args: dict[str, Any], out: str) -
     try:
         for key, value in common.SAFE_ENV.items():
             os.environ.setdefault(key, value)
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = "nccl" if args["device"] == "cuda" else "gloo"
         dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world)
         try:
-            device = _device(rank)
+            device = _device(args["device"], rank)
             if device.type == "cuda":
                 torch.cuda.set_device(device)
             name = args["model"]
@@ -96,11 +96,20 @@ def _worker(rank: int, world: int, store: str, args: dict[str, Any], out: str) -
     os._exit(code)
 
 
-def run_mode(mode: str, model: str, procs: int, smoke: bool, steps: int, warmup: int) -> dict:
+def run_mode(
+    mode: str, model: str, procs: int, smoke: bool, steps: int, warmup: int, device: str
+) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rank0.json")
         ctx = mp.get_context("spawn")
-        args = {"mode": mode, "model": model, "smoke": smoke, "steps": steps, "warmup": warmup}
+        args = {
+            "mode": mode,
+            "model": model,
+            "smoke": smoke,
+            "steps": steps,
+            "warmup": warmup,
+            "device": device,
+        }
         workers = [
             ctx.Process(target=_worker, args=(r, procs, f"{tmp}/store", args, out))
             for r in range(procs)
@@ -118,8 +127,8 @@ def run_mode(mode: str, model: str, procs: int, smoke: bool, steps: int, warmup:
         return json.loads(Path(out).read_text())
 
 
-def run_single(model: str, smoke: bool, steps: int, warmup: int) -> dict:
-    device = _device(0)
+def run_single(model: str, smoke: bool, steps: int, warmup: int, kind: str) -> dict:
+    device = _device(kind, 0)
     net = bench_train_step.build_model(model, smoke).to(device)
     x, target = bench_train_step.make_inputs(model, smoke)
     x = x.to(device)
@@ -140,19 +149,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny models, a few steps")
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--warmup", type=int, default=None)
+    parser.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default=None,
+        help="cuda: a GPU per process over NCCL; cpu: the CPU over gloo "
+        "(default: cuda where CUDA is available)",
+    )
     parser.add_argument("--out", default=None, help="JSON file for the records")
     args = parser.parse_args(argv)
-    procs = args.procs or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
+    kind = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if kind == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: CUDA is not available here; use --device cpu")
+    procs = args.procs or (torch.cuda.device_count() if kind == "cuda" else 2)
     if procs < 2:
         parser.error(f"--procs must be at least 2, got {procs}")
-    if torch.cuda.is_available() and procs > torch.cuda.device_count():
-        parser.error(f"--procs {procs} needs as many GPUs, {torch.cuda.device_count()} visible")
+    if kind == "cuda" and procs > torch.cuda.device_count():
+        parser.error(
+            f"--procs {procs} needs as many GPUs, {torch.cuda.device_count()} visible "
+            "(--device cpu runs the processes on the CPU over gloo)"
+        )
     steps = args.steps or (3 if args.smoke else 20)
     warmup = args.warmup or (1 if args.smoke else 5)
     results = common.Results("process_group")
     for model in [m.strip() for m in args.models.split(",") if m.strip()]:
         common.progress(f"{model}: single (1 process, whole batch)")
-        single = run_single(model, args.smoke, steps, warmup)
+        single = run_single(model, args.smoke, steps, warmup, kind)
         base = common.summarize(single["times"])["step_ms_median"]
         results.add(
             model=model,
@@ -166,14 +188,15 @@ def main(argv: list[str] | None = None) -> int:
         )
         for mode in MODES:
             common.progress(f"{model}: {mode} ({procs} processes)")
-            got = run_mode(mode, model, procs, args.smoke, steps, warmup)
+            got = run_mode(mode, model, procs, args.smoke, steps, warmup, kind)
             stats = common.summarize(got["times"])
             record = results.add(
                 model=model,
                 model_desc=bench_train_step.model_desc(model, args.smoke),
                 mode=mode,
-                gpus=procs if torch.cuda.is_available() else 0,
+                gpus=procs if kind == "cuda" else 0,
                 processes=procs,
+                backend="nccl" if kind == "cuda" else "gloo",
                 dtype="fp32",
                 speedup_vs_single=base / stats["step_ms_median"],
                 peak_mem_gib=got["peak"],

@@ -280,7 +280,16 @@ def test_buffer_snapshot_probe_times_the_copy(tmp_path):
 def test_process_group_bench_times_every_mode(tmp_path):
     out = tmp_path / "pg.json"
     proc = _run_script(
-        "bench_process_group.py", "--smoke", "--procs", "2", "--models", "mlp200", "--out", str(out)
+        "bench_process_group.py",
+        "--smoke",
+        "--device",
+        "cpu",
+        "--procs",
+        "2",
+        "--models",
+        "mlp200",
+        "--out",
+        str(out),
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     records = common.load(out)["records"]
