@@ -55,7 +55,8 @@ struct DataParallelOptions {
   /// first forward every process takes group rank 0's parameters and buffers (the modules must
   /// match); the backward pass of a forward with grad mode on, outside no_sync(), then leaves
   /// every parameter's grad averaged over the group (a parameter without a gradient in this
-  /// process takes part with zeros). Every process must run the same forwards and backward
+  /// process takes part with zeros; one without a gradient in every process keeps none, as with
+  /// DDP). Every process must run the same forwards and backward
   /// passes. Not with cuda_graphs. Read at every forward. See Note [Reducing across processes]
   /// in torchdp/process_group.cpp. Default: none.
   TORCH_ARG(c10::intrusive_ptr<c10d::ProcessGroup>, process_group);

@@ -42,8 +42,12 @@
 //   bucket_cap_mb) by the group's size, all-reduces every bucket, waits for all and only then
 //   copies the averages into .grad (a failure leaves the gradients as they were). Every process
 //   must hold the same buckets, so a parameter without a gradient takes part with zeros and gets
-//   the average. The weights of sparse Embedding/EmbeddingBag modules are all-reduced one by one
-//   as sparse tensors (empty ones where unused); other sparse gradients are reduced densely.
+//   the average. Each bucket carries one more element per parameter, 1 where the process has a
+//   gradient: a parameter without one in every process keeps none, as DDP leaves it (only a
+//   process that lacks a gradient reads those sums, which waits for the device). The weights of
+//   sparse Embedding/EmbeddingBag modules are all-reduced one by one as sparse tensors (empty
+//   ones where unused), with their flags in one more all-reduce; other sparse gradients are
+//   reduced densely.
 // Averaging a gradient that is already equal in every process leaves it as it is, so gradients
 // accumulated over several passes (with or without no_sync) come out right.
 
@@ -139,35 +143,61 @@ struct ProcessGroupSync::Layout {
     const double world = static_cast<double>(group->getSize());
     struct Pending {
       c10::intrusive_ptr<c10d::Work> work;
-      at::Tensor flat;
+      at::Tensor flat; // the gradients, then one "has a gradient here" flag per member
+      int64_t numel = 0;
       std::vector<size_t> members;
       std::vector<at::Tensor> grads;
+      bool missing = false; // a member has no gradient in this process
     };
     std::vector<Pending> pending;
     std::vector<std::pair<size_t, at::Tensor>> writes; // (parameter, new grad)
     for (const auto& bucket : buckets) {
-      std::vector<at::Tensor> grads;
+      Pending entry;
+      entry.members = bucket;
       std::vector<at::Tensor> pieces;
-      for (const auto k : bucket) {
-        const auto& p = params[k];
+      const auto& first = params[bucket.front()];
+      auto flags = at::ones({static_cast<int64_t>(bucket.size())}, first.options());
+      for (const auto i : c10::irange(bucket.size())) {
+        const auto& p = params[bucket[i]];
         auto g = p.grad();
         if (!g.defined()) {
           g = at::zeros_like(p);
+          flags[static_cast<int64_t>(i)].zero_();
+          entry.missing = true;
         } else if (g.layout() != c10::kStrided) { // a sparse gradient outside an embedding
           g = g.to_dense();
         }
         pieces.push_back(g.reshape(-1));
-        grads.push_back(std::move(g));
+        entry.numel += g.numel();
+        entry.grads.push_back(std::move(g));
       }
-      auto flat = at::cat(pieces);
-      flat.div_(world);
-      std::vector<at::Tensor> one{flat};
-      c10::intrusive_ptr<c10d::Work> work;
+      // The flags' sums say whether any process has a gradient (no second collective).
+      pieces.push_back(flags);
+      entry.flat = at::cat(pieces);
+      entry.flat.narrow(0, 0, entry.numel).div_(world);
+      std::vector<at::Tensor> one{entry.flat};
       collective(api, [&] {
-        work = group->allreduce(one);
+        entry.work = group->allreduce(one);
       });
-      pending.push_back({std::move(work), std::move(flat), bucket, std::move(grads)});
+      pending.push_back(std::move(entry));
     }
+    at::Tensor sparse_used;
+    c10::intrusive_ptr<c10d::Work> sparse_work;
+    bool sparse_missing = false;
+    if (!sparse.empty()) {
+      std::vector<double> flags;
+      for (const auto k : sparse) {
+        flags.push_back(params[k].grad().defined() ? 1.0 : 0.0);
+        sparse_missing = sparse_missing || !params[k].grad().defined();
+      }
+      sparse_used = at::tensor(flags, at::TensorOptions().dtype(at::kFloat))
+                        .to(params[sparse.front()].device());
+      std::vector<at::Tensor> one{sparse_used};
+      collective(api, [&] {
+        sparse_work = group->allreduce(one);
+      });
+    }
+    std::vector<std::pair<size_t, at::Tensor>> sparse_writes;
     for (const auto k : sparse) {
       const auto& p = params[k];
       auto g = p.grad();
@@ -183,15 +213,27 @@ struct ProcessGroupSync::Layout {
       collective(api, [&] {
         group->allreduce(one)->wait();
       });
-      writes.emplace_back(k, one[0]);
+      sparse_writes.emplace_back(k, one[0]);
     }
     for (auto& p : pending) {
       collective(api, [&] {
         p.work->wait();
       });
     }
-    // Every reduction is done: only now are gradients written.
+    if (sparse_work) {
+      collective(api, [&] {
+        sparse_work->wait();
+      });
+    }
+    // Every reduction is done: only now are gradients written. A parameter without a gradient in
+    // any process keeps none, as with DDP (reading the flags waits for the device, so only a
+    // process that lacks a gradient reads them).
     for (auto& p : pending) {
+      const auto used = p.missing
+                            ? p.flat.narrow(0, p.numel, static_cast<int64_t>(p.members.size()))
+                                  .to(at::kDouble)
+                                  .cpu()
+                            : at::Tensor();
       int64_t offset = 0;
       for (const auto i : c10::irange(p.members.size())) {
         const auto k = p.members[i];
@@ -201,8 +243,17 @@ struct ProcessGroupSync::Layout {
         auto current = params[k].grad();
         if (current.defined() && current.layout() == c10::kStrided) {
           current.copy_(average);
-        } else {
+        } else if (current.defined() || used.data_ptr<double>()[i] != 0) {
           writes.emplace_back(k, average.clone());
+        }
+      }
+    }
+    if (!sparse.empty()) {
+      const auto used = sparse_missing ? sparse_used.to(at::kDouble).cpu() : at::Tensor();
+      for (const auto i : c10::irange(sparse_writes.size())) {
+        auto& [k, g] = sparse_writes[i];
+        if (params[k].grad().defined() || used.data_ptr<double>()[i] != 0) {
+          writes.emplace_back(k, std::move(g));
         }
       }
     }

@@ -26,10 +26,13 @@ global batch. The C++ ``DataParallel`` does the same (csrc/torchdp/process_group
   ``bucket_cap_mb``) by the group's size, all-reduces every bucket asynchronously, waits for all of
   them and only then copies the averages into ``.grad`` (a failure leaves the gradients as they
   were). Every process must hold the same buckets, so a parameter without a gradient in this
-  process takes part with zeros and gets the average (zeros when no process used it; DDP leaves
-  that one None), as a parameter unused in one replica gets zeros from ``torch.nn.DataParallel``.
-  The weights of sparse ``nn.Embedding``/``nn.EmbeddingBag`` modules are all-reduced one by one as
-  sparse tensors (empty ones where unused); other sparse gradients are reduced densely.
+  process takes part with zeros and gets the average, as a parameter unused in one replica gets
+  zeros from ``torch.nn.DataParallel``. Each bucket carries one more element per parameter, 1
+  where the process has a gradient: a parameter without one in every process keeps None, as
+  DDP leaves it (only a process that lacks a gradient reads those sums, which waits for the
+  device). The weights of sparse ``nn.Embedding``/``nn.EmbeddingBag`` modules are all-reduced one
+  by one as sparse tensors (empty ones where unused), with their flags in one more all-reduce;
+  other sparse gradients are reduced densely.
 
 Averaging a gradient that is already the same in every process leaves it as it is, so gradients
 accumulated over several backward passes (with or without ``no_sync()``) come out right.
@@ -299,19 +302,35 @@ class ProcessGroupSync:
             pending = []
             for bucket in layout.buckets:
                 grads = []
-                for p in bucket:
+                missing = []  # members without a gradient here
+                for i, p in enumerate(bucket):
                     g = p.grad
                     if g is None:
                         g = torch.zeros_like(p)
+                        missing.append(i)
                     elif g.layout != torch.strided:  # a sparse gradient outside an embedding
                         g = g.to_dense()
                     grads.append(g)
-                flat = torch.cat([g.reshape(-1) for g in grads])
-                flat.div_(self.world)
+                # Each member's gradient, then one "has a gradient here" flag per member: their
+                # sum says whether any process has one (no second collective).
+                flags = torch.ones(len(bucket), dtype=bucket[0].dtype, device=bucket[0].device)
+                for i in missing:
+                    flags[i] = 0
+                flat = torch.cat([g.reshape(-1) for g in grads] + [flags])
+                numel = flat.numel() - len(bucket)
+                flat[:numel].div_(self.world)
                 work = self._collective(
                     lambda f=flat: dist.all_reduce(f, group=self.group, async_op=True)
                 )
-                pending.append((work, flat, bucket, grads))
+                pending.append((work, flat, numel, bucket, grads, missing))
+            sparse_used = sparse_work = None
+            if layout.sparse:
+                flags = [float(p.grad is not None) for p in layout.sparse]
+                sparse_used = torch.tensor(flags, device=layout.sparse[0].device)
+                sparse_work = self._collective(
+                    lambda: dist.all_reduce(sparse_used, group=self.group, async_op=True)
+                )
+            sparse_writes = []
             for p in layout.sparse:
                 g = p.grad
                 if g is None:
@@ -324,17 +343,30 @@ class ProcessGroupSync:
                     g = g.to_sparse(1)
                 g = g.coalesce() / self.world
                 self._collective(lambda g=g: dist.all_reduce(g, group=self.group))
-                writes.append((p, g))
-            for work, _, _, _ in pending:
+                sparse_writes.append((p, g))
+            for work, *_ in pending:
                 self._collective(work.wait)
-            # Every reduction is done: only now are gradients written.
-            for _, flat, bucket, grads in pending:
-                for p, g, v in zip(bucket, grads, flat.split([g.numel() for g in grads])):
+            if sparse_work is not None:
+                self._collective(sparse_work.wait)
+            # Every reduction is done: only now are gradients written. A parameter without a
+            # gradient in any process keeps None, as with DDP (reading the flags waits for the
+            # device, so only a process that lacks a gradient reads them).
+            for _, flat, numel, bucket, grads, missing in pending:
+                used = flat[numel:].tolist() if missing else None
+                averages = flat[:numel].split([g.numel() for g in grads])
+                for i, (p, g, v) in enumerate(zip(bucket, grads, averages)):
                     current = p.grad
                     if current is not None and current.layout == torch.strided:
                         current.copy_(v.view_as(current))
-                    else:
+                    elif current is not None or used[i] != 0:
                         writes.append((p, v.view_as(g).clone()))
+            if sparse_used is not None:
+                used = (
+                    sparse_used.tolist() if any(p.grad is None for p, _ in sparse_writes) else None
+                )
+                for i, (p, g) in enumerate(sparse_writes):
+                    if p.grad is not None or used[i] != 0:
+                        writes.append((p, g))
             for p, g in writes:
                 p.grad = g
 

@@ -329,12 +329,14 @@ TEST_CASE("process_group: unused parameters, autograd::grad, buffers and mismatc
           "[process_group]") {
   std::vector<at::Tensor> extra_grads(kWorld);
   std::vector<at::Tensor> local_extra(kWorld);
-  std::vector<bool> untouched_by_grad(kWorld, false);
+  // Flags as ints: the ranks' threads write their own elements at once, and std::vector<bool>
+  // packs neighbours into one byte (a lost write now and then).
+  std::vector<int> untouched_by_grad(kWorld, 0);
   std::vector<at::Tensor> running_means(kWorld * 2);
   std::vector<std::string> mismatch(kWorld);
   std::vector<int> leaf_reductions(kWorld, -1);
   std::vector<int> grad_of_params_reductions(kWorld, -1);
-  std::vector<bool> grad_of_params_ok(kWorld, false);
+  std::vector<int> grad_of_params_ok(kWorld, 0);
   std::vector<int> two_forward_reductions(kWorld, -1);
   std::vector<at::Tensor> sparse_grads(kWorld);
   std::vector<at::Tensor> sparse_local(kWorld);
@@ -346,6 +348,13 @@ TEST_CASE("process_group: unused parameters, autograd::grad, buffers and mismatc
   const auto inputs = torch::randn({kWorld, 6, 8});
   std::vector<Branchy> nets{Branchy(false), Branchy(true)};
   std::vector<Branchy> locals{Branchy(false), Branchy(true)};
+  std::vector<Branchy> unused_one{Branchy(false), Branchy(false)};
+  std::vector<Branchy> unused_two{Branchy(false), Branchy(false)};
+  std::vector<SparseEmbedding> unused_sparse{SparseEmbedding(false), SparseEmbedding(false)};
+  std::vector<int> unused_none(kWorld, 0);
+  std::vector<int> unused_sparse_none(kWorld, 0);
+  std::vector<at::Tensor> unused_zeros(kWorld);
+  std::vector<at::Tensor> unused_bodies(kWorld);
   std::vector<BnNet> bns{BnNet(), BnNet(), BnNet(), BnNet()};
   for (auto& b : bns) {
     copy_state(*b, *bns[0]);
@@ -365,6 +374,29 @@ TEST_CASE("process_group: unused parameters, autograd::grad, buffers and mismatc
         net, torchdp::DataParallelOptions().device_ids(cpu_devices(2)).process_group(group));
     dp->forward(x).sum().backward();
     extra_grads[r] = net->extra->weight.grad().clone();
+
+    // `extra` used by no process: it keeps no gradient, as with DDP, where the module runs as it
+    // is (one device); with two replicas they give it zeros (as nn.DataParallel does), and those
+    // zeros are averaged.
+    {
+      torchdp::DataParallel one(
+          unused_one[r],
+          torchdp::DataParallelOptions().device_ids(cpu_devices(1)).process_group(group));
+      one->forward(x).sum().backward();
+      unused_none[r] = !unused_one[r]->extra->weight.grad().defined();
+      unused_bodies[r] = unused_one[r]->body->weight.grad().clone();
+      torchdp::DataParallel two(
+          unused_two[r],
+          torchdp::DataParallelOptions().device_ids(cpu_devices(2)).process_group(group));
+      two->forward(x).sum().backward();
+      unused_zeros[r] = unused_two[r]->extra->weight.grad();
+      torchdp::DataParallel sparse_one(
+          unused_sparse[r],
+          torchdp::DataParallelOptions().device_ids(cpu_devices(1)).process_group(group));
+      sparse_one->forward(torch::tensor({1, 2}, torch::kLong).view({1, 2})).sum().backward();
+      unused_sparse_none[r] = !unused_sparse[r]->emb->weight.grad().defined() &&
+                              unused_sparse[r]->fc->weight.grad().defined();
+    }
 
     // autograd::grad of the input: no parameter gradient appears.
     net->zero_grad(/*set_to_none=*/true);
@@ -466,13 +498,20 @@ TEST_CASE("process_group: unused parameters, autograd::grad, buffers and mismatc
   for (const auto& g : extra_grads) {
     REQUIRE(torch::allclose(g, local_extra[1] / 2));
   }
+  CHECK(unused_none == std::vector<int>(kWorld, 1));
+  CHECK(unused_sparse_none == std::vector<int>(kWorld, 1));
+  for (const auto& g : unused_zeros) {
+    REQUIRE(g.defined());
+    CHECK(torch::equal(g, torch::zeros_like(g)));
+  }
+  CHECK(torch::allclose(unused_bodies[0], unused_bodies[1]));
   CHECK(untouched_by_grad[0]);
   CHECK(untouched_by_grad[1]);
   CHECK(torch::equal(running_means[0], running_means[2]));
   CHECK_FALSE(torch::equal(running_means[1], running_means[3]));
   CHECK(leaf_reductions == std::vector<int>(kWorld, 0));
   CHECK(grad_of_params_reductions == std::vector<int>(kWorld, 0));
-  CHECK(grad_of_params_ok == std::vector<bool>(kWorld, true));
+  CHECK(grad_of_params_ok == std::vector<int>(kWorld, 1));
   CHECK(two_forward_reductions == std::vector<int>(kWorld, 1));
   REQUIRE_FALSE(sparse_local[0].defined());
   REQUIRE(sparse_local[1].defined());

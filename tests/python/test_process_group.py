@@ -159,6 +159,17 @@ def _scenarios(rank: int, devices: list[str] | None) -> dict:
     local(x.cpu(), use_extra=rank == 1).sum().backward()
     out["local_extra_grad"] = local.extra.weight.grad
 
+    # A parameter that no process used keeps None, as with DDP, where torchdp leaves it None
+    # (a passthrough); with device lists the replicas give it zeros (as nn.DataParallel does),
+    # and the average of those zeros is what it gets.
+    unused = _wrap(_Branchy(), devices, process_group=dist.group.WORLD)
+    unused(x).sum().backward()
+    out["unused"] = _cpu_or_none(unused.module.extra.weight.grad)
+    alone = _wrap(_Branchy(), devices)
+    alone(x).sum().backward()
+    out["unused_alone"] = _cpu_or_none(alone.module.extra.weight.grad)
+    out["unused_body"] = unused.module.body.weight.grad.cpu()
+
     # torch.autograd.grad of the input: no parameter gradient appears, nothing is reduced.
     dp.zero_grad(set_to_none=True)
     xi = x.clone().requires_grad_()
@@ -229,6 +240,13 @@ def _scenarios(rank: int, devices: list[str] | None) -> dict:
     out["sparse_local"] = (
         None if plain.emb.weight.grad is None else plain.emb.weight.grad.to_dense()
     )
+    # Used in no process: None where torchdp alone leaves it None.
+    dp = _wrap(_SparseEmbedding(), devices, process_group=dist.group.WORLD)
+    dp(ids, use=False).sum().backward()
+    out["sparse_unused"] = _cpu_or_none(dp.module.emb.weight.grad)
+    alone = _wrap(_SparseEmbedding(), devices)
+    alone(ids, use=False).sum().backward()
+    out["sparse_unused_alone"] = _cpu_or_none(alone.module.emb.weight.grad)
 
     # The module changes after the first forward (a new head, alike in every process, but with
     # each process's own initialisation): the next forward takes rank 0's again.
@@ -246,6 +264,12 @@ def _scenarios(rank: int, devices: list[str] | None) -> dict:
     except RuntimeError as exc:
         out["mismatch"] = str(exc)
     return out
+
+
+def _cpu_or_none(grad: torch.Tensor | None) -> torch.Tensor | None:
+    if grad is None:
+        return None
+    return (grad.to_dense() if grad.layout != torch.strided else grad).cpu()
 
 
 def _worker(rank: int, backend: str, store: str, out_dir: str, devices: list[list[str] | None]):
@@ -308,6 +332,17 @@ def _check(results: list[dict]) -> None:
     for res in results:
         torch.testing.assert_close(res["extra_grad"], half)
 
+    body = (results[0]["unused_body"] + results[1]["unused_body"]) / 2
+    for res in results:
+        torch.testing.assert_close(res["unused_body"], body)
+        for key in ("unused", "sparse_unused"):
+            alone = res[f"{key}_alone"]
+            if alone is None:
+                assert res[key] is None, key
+            else:
+                torch.testing.assert_close(res[key], torch.zeros_like(alone), msg=key)
+                torch.testing.assert_close(alone, torch.zeros_like(alone), msg=key)
+
     for res in results:
         assert res["grad_of_input_param_grads"] == [None] * 4
         assert res["grad_of_input"].abs().sum() > 0
@@ -348,7 +383,11 @@ def test_two_processes_on_cpu_device_lists_match_whole_batch_training(
 
 def test_two_processes_with_default_wrappers(tmp_path):
     # No device list: a passthrough without GPUs (CI), torchdp over every GPU with them.
-    _check(_run(tmp_path, [None, None]))
+    results = _run(tmp_path, [None, None])
+    _check(results)
+    if not torch.cuda.is_available():  # the passthrough: DDP's None for what no process used
+        for res in results:
+            assert res["unused"] is None and res["sparse_unused"] is None
 
 
 @pytest.mark.needs_cuda
