@@ -324,8 +324,9 @@ class DataParallel(_TorchDataParallel[T]):
             with torchdp). At the first forward every process takes group rank 0's parameters and
             buffers (the modules must match); the backward of a forward with grad mode on, outside
             :meth:`no_sync`, then leaves every parameter's ``.grad`` averaged over the group (a
-            parameter without a gradient in this process takes part with zeros). Every process
-            must run the same forwards and backward passes. Not with ``cuda_graphs``; the group
+            parameter without a gradient in this process takes part with zeros; one without a
+            gradient in every process keeps ``None``, as with DDP). Every process must run the
+            same forwards and backward passes. Not with ``cuda_graphs``; the group
             is not copied or pickled with the wrapper. See Note [Reducing across processes] in
             ``torchdp/_process_group.py``. Default: ``None``.
         broadcast_buffers (bool, keyword-only): with a :attr:`process_group`, every forward with
