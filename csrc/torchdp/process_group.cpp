@@ -11,6 +11,8 @@
 #include <torch/csrc/autograd/variable.h>
 #include <torch/nn/modules/embedding.h>
 
+#include <algorithm>
+#include <deque>
 #include <map>
 #include <set>
 #include <sstream>
@@ -266,8 +268,18 @@ struct ProcessGroupSync::Layout {
 // What the hooks of all forwards of one ProcessGroupSync share: one reduction per pass.
 struct ProcessGroupSync::Passes {
   std::mutex mutex;
+  // Graph task ids whose hooks ran, oldest first. A pass ends by removing its id; one that never
+  // does (a failed pass: the engine runs no callback) is dropped once kMaxPasses newer ones came.
   std::set<int> queued;
+  std::deque<int> order;
   std::mutex reduce_mutex;
+
+  void forget(int task) {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (queued.erase(task) > 0) {
+      order.erase(std::find(order.begin(), order.end(), task));
+    }
+  }
 
   static void reached(const std::shared_ptr<Passes>& self,
                       const std::shared_ptr<ProcessGroupSync::Layout>& layout) {
@@ -279,15 +291,20 @@ struct ProcessGroupSync::Passes {
       if (!self->queued.insert(task).second) {
         return;
       }
+      self->order.push_back(task);
+      if (self->order.size() > kMaxPasses) {
+        self->queued.erase(self->order.front());
+        self->order.pop_front();
+      }
     }
     if (!layout->accumulates_in_current_pass()) {
+      queue([self, task] {
+        self->forget(task);
+      });
       return;
     }
     queue([self, layout, task] {
-      {
-        std::lock_guard<std::mutex> lock(self->mutex);
-        self->queued.erase(task);
-      }
+      self->forget(task);
       queue([self, layout] {
         std::lock_guard<std::mutex> lock(self->reduce_mutex);
         layout->reduce();
@@ -299,6 +316,11 @@ struct ProcessGroupSync::Passes {
 ProcessGroupSync::ProcessGroupSync(c10::intrusive_ptr<c10d::ProcessGroup> group, std::string api)
     : group_(std::move(group)), api_(std::move(api)), passes_(std::make_shared<Passes>()) {
   TORCH_CHECK(group_, api_, ": process_group is empty");
+}
+
+size_t ProcessGroupSync::remembered_passes() const {
+  std::lock_guard<std::mutex> lock(passes_->mutex);
+  return passes_->queued.size();
 }
 
 void ProcessGroupSync::before_forward(const torch::nn::Module& module, bool buffers) {

@@ -41,6 +41,11 @@ class ProcessGroupSync {
   void watch(const torch::nn::Module& module, const std::vector<at::Tensor>& outputs,
              size_t bucket_bytes);
 
+  /// The backward passes this object still remembers (their hooks ran, their end did not come
+  /// yet): at most kMaxPasses, the oldest dropped first.
+  size_t remembered_passes() const;
+  static constexpr size_t kMaxPasses = 1024;
+
   struct Layout;
   struct Passes;
 

@@ -52,6 +52,8 @@ from torch.autograd import Variable
 from torch.utils._pytree import tree_leaves
 
 _DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
+# Backward passes remembered at once (far more than run at the same time).
+_MAX_PASSES = 1024
 
 
 def check_process_group(group: Any, api: str) -> Any:
@@ -153,7 +155,10 @@ class ProcessGroupSync:
         self._state: tuple[list[torch.Tensor], list[bool]] | None = None
         self._layout: _Layout | None = None
         self._lock = threading.Lock()
-        self._passes: set[int] = set()
+        # The backward passes (graph task ids) whose hooks have run, oldest first: a pass ends by
+        # removing its id, and one that never does (torch.autograd.grad, a failed pass) is
+        # dropped once _MAX_PASSES newer ones came.
+        self._passes: dict[int, None] = {}
         self._passes_lock = threading.Lock()
 
     # -- forward ---------------------------------------------------------------------------
@@ -283,13 +288,20 @@ class ProcessGroupSync:
         with self._passes_lock:
             if task in self._passes:
                 return
-            self._passes.add(task)
+            self._passes[task] = None
+            if len(self._passes) > _MAX_PASSES:
+                del self._passes[next(iter(self._passes))]
+
+        def forget() -> None:
+            with self._passes_lock:
+                self._passes.pop(task, None)
+
         if not layout.accumulates():
+            _queue(forget)
             return
 
         def later() -> None:
-            with self._passes_lock:
-                self._passes.discard(task)
+            forget()
             _queue(lambda: self.reduce(layout))
 
         _queue(later)

@@ -529,6 +529,71 @@ TEST_CASE("process_group: unused parameters, autograd::grad, buffers and mismatc
   }
 }
 
+// Passes its input on; its backward fails.
+struct FailsInBackward : torch::autograd::Function<FailsInBackward> {
+  static at::Tensor forward(torch::autograd::AutogradContext*, const at::Tensor& x) {
+    return x.clone();
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*,
+                                                 const torch::autograd::variable_list&) {
+    TORCH_CHECK(false, "this backward fails on purpose");
+  }
+};
+
+TEST_CASE("process_group: a pass's id is forgotten at its end; failed passes' after kMaxPasses",
+          "[process_group]") {
+  using torchdp::detail::ProcessGroupSync;
+  std::vector<Mlp> nets{mlp(0), mlp(0)};
+  const auto inputs = torch::randn({kWorld, 4, 8});
+  constexpr size_t kFailed = ProcessGroupSync::kMaxPasses + 5;
+  std::vector<std::vector<size_t>> remembered(kWorld);
+  std::vector<size_t> failures(kWorld, 0);
+  std::vector<std::vector<int>> reductions(kWorld);
+  auto errors = run_ranks([&](int rank, const c10::intrusive_ptr<ThreadGroup>& group) {
+    const auto r = static_cast<size_t>(rank);
+    auto net = nets[r];
+    const auto x = inputs[rank];
+    ProcessGroupSync sync(group, "test");
+    auto watched = [&](const at::Tensor& input) {
+      sync.before_forward(*net, true);
+      auto out = net->forward(input);
+      sync.watch(*net, {out}, 0);
+      return out;
+    };
+    watched(x).sum().backward(); // reduced
+    remembered[r].push_back(sync.remembered_passes());
+    auto xi = x.clone().requires_grad_();
+    torch::autograd::grad({watched(xi).sum()}, {xi}); // nothing to reduce
+    remembered[r].push_back(sync.remembered_passes());
+    for (size_t i = 0; i < kFailed; ++i) {
+      sync.before_forward(*net, false);
+      auto out = FailsInBackward::apply(net->forward(x));
+      sync.watch(*net, {out}, 0);
+      try {
+        out.sum().backward(); // out's hook runs, then the pass fails: no callback ends it
+      } catch (const c10::Error&) {
+        ++failures[r];
+      }
+    }
+    remembered[r].push_back(sync.remembered_passes());
+    reductions[r].push_back(group->allreduces.load());
+    watched(x).sum().backward(); // reduced: its id came and went, the oldest was dropped
+    remembered[r].push_back(sync.remembered_passes());
+    reductions[r].push_back(group->allreduces.load());
+  });
+  REQUIRE(errors == std::vector<std::string>(kWorld));
+  CHECK(failures == std::vector<size_t>(kWorld, kFailed));
+  for (const auto& counts : remembered) {
+    CHECK(counts == std::vector<size_t>{0, 0, ProcessGroupSync::kMaxPasses,
+                                        ProcessGroupSync::kMaxPasses - 1});
+  }
+  // One all-reduce (one bucket) for the first pass, none for autograd::grad and the failed
+  // passes, one for the last.
+  for (const auto& counts : reductions) {
+    CHECK(counts == std::vector<int>{1, 2});
+  }
+}
+
 TEST_CASE("process_group: cuda_graphs is refused, a group of one changes nothing",
           "[process_group]") {
   auto hub = std::make_shared<Hub>(1);

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import traceback
 
 import pytest
@@ -78,6 +79,28 @@ class _ReturnsWeight(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.weight
+
+
+class _FailsInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("this backward fails on purpose")
+
+
+class _MaybeFails(nn.Module):
+    """Its backward fails when the forward is asked to."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor, fail: bool = False) -> torch.Tensor:
+        y = self.fc(x)
+        return _FailsInBackward.apply(y) if fail else y
 
 
 def _bn(seed: int) -> nn.Module:
@@ -176,6 +199,33 @@ def _scenarios(rank: int, devices: list[str] | None) -> dict:
     (gx,) = torch.autograd.grad(dp(xi).sum(), xi)
     out["grad_of_input_param_grads"] = [p.grad for p in dp.parameters()]
     out["grad_of_input"] = gx.cpu()
+
+    # A pass's id is forgotten at its end (also for torch.autograd.grad); a failed pass's, which
+    # no callback ends, once _MAX_PASSES newer passes came.
+    dp = _wrap(_MaybeFails(), devices, process_group=dist.group.WORLD)
+    sync = sys.modules["torchdp.data_parallel"]._SYNCS[dp]
+    remembered = []
+    dp(x).sum().backward()
+    remembered.append(len(sync._passes))
+    xi = x.clone().requires_grad_()
+    torch.autograd.grad(dp(xi).sum(), xi)
+    remembered.append(len(sync._passes))
+    old_max = torchdp._process_group._MAX_PASSES
+    torchdp._process_group._MAX_PASSES = 4
+    try:
+        failures = 0
+        for _ in range(6):
+            try:
+                dp(x, fail=True).sum().backward()
+            except RuntimeError as exc:
+                failures += "fails on purpose" in str(exc)
+        remembered.append(len(sync._passes))
+        dp(x).sum().backward()
+        remembered.append(len(sync._passes))
+    finally:
+        torchdp._process_group._MAX_PASSES = old_max
+    out["remembered_passes"] = remembered
+    out["failed_passes"] = failures
 
     # Buffers: rank 0's at every forward with grad mode on, unless broadcast_buffers=False.
     for broadcast in (True, False):
@@ -342,6 +392,10 @@ def _check(results: list[dict]) -> None:
             else:
                 torch.testing.assert_close(res[key], torch.zeros_like(alone), msg=key)
                 torch.testing.assert_close(alone, torch.zeros_like(alone), msg=key)
+
+    for res in results:
+        assert res["remembered_passes"] == [0, 0, 4, 3]
+        assert res["failed_passes"] == 6
 
     for res in results:
         assert res["grad_of_input_param_grads"] == [None] * 4
