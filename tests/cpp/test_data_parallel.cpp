@@ -142,7 +142,11 @@ TEST_CASE("a batch smaller than the device count uses fewer replicas", "[cpu][da
   const auto x = torch::randn({2, 3});
   auto out = dp->forward(x);
   CHECK(out.sizes() == torch::IntArrayRef{2, 2});
-  CHECK(torch::allclose(out, linear->forward(x)));
+  // One row per replica: another matrix-product path than the whole batch's, whose last bits may
+  // differ (the GPU machine's CPU gave such a difference at allclose's default tolerance).
+  const auto whole = linear->forward(x);
+  INFO("max abs difference " << (out - whole).abs().max().item<float>());
+  CHECK(torch::allclose(out, whole, 1e-5, 1e-6));
   // A batch of 5 on 4 devices gives chunks [2, 2, 1]: three replicas.
   CHECK(dp->forward(torch::randn({5, 3})).size(0) == 5);
 }
