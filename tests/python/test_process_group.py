@@ -193,6 +193,17 @@ def _scenarios(rank: int, devices: list[str] | None) -> dict:
     out["unused_alone"] = _cpu_or_none(alone.module.extra.weight.grad)
     out["unused_body"] = unused.module.body.weight.grad.cpu()
 
+    # backward(inputs=[...]): the gradients that torchdp alone leaves None stay None; the
+    # input's is averaged.
+    subset = _wrap(_mlp(seed=0), devices, process_group=dist.group.WORLD)
+    subset(x).sum().backward(inputs=[subset.module[0].weight])
+    alone = _wrap(_mlp(seed=0), devices)
+    alone(x).sum().backward(inputs=[alone.module[0].weight])
+    out["subset_none"] = [p.grad is None for p in subset.parameters()]
+    out["subset_none_alone"] = [p.grad is None for p in alone.parameters()]
+    out["subset_input"] = subset.module[0].weight.grad.cpu()
+    out["subset_input_alone"] = alone.module[0].weight.grad.cpu()
+
     # torch.autograd.grad of the input: no parameter gradient appears, nothing is reduced.
     dp.zero_grad(set_to_none=True)
     xi = x.clone().requires_grad_()
@@ -392,6 +403,12 @@ def _check(results: list[dict]) -> None:
             else:
                 torch.testing.assert_close(res[key], torch.zeros_like(alone), msg=key)
                 torch.testing.assert_close(alone, torch.zeros_like(alone), msg=key)
+
+    subset_mean = (results[0]["subset_input_alone"] + results[1]["subset_input_alone"]) / 2
+    for res in results:
+        assert res["subset_none"] == res["subset_none_alone"]
+        assert res["subset_none"][0] is False
+        torch.testing.assert_close(res["subset_input"], subset_mean)
 
     for res in results:
         assert res["remembered_passes"] == [0, 0, 4, 3]
