@@ -149,13 +149,14 @@ std::vector<at::Tensor> DataParallelImpl::run(std::vector<at::Tensor> inputs, co
   }
   // The module is on its device by now: the state is synchronised where it will run.
   const bool grad_sync = c10::GradMode::is_enabled() && require_backward_grad_sync_;
+  // Checked before the module runs (a bad value leaves its buffers as they were).
+  const size_t bucket_bytes = grad_sync && options.bucket_cap_mb()
+                                  ? autograd::bucket_bytes_from_mib(*options.bucket_cap_mb(), kApi)
+                                  : autograd::kDefaultGradBucketSize;
   sync_->before_forward(*module_, grad_sync && options.broadcast_buffers());
   auto outputs = run_here(std::move(inputs), call, originals, buffers);
   if (grad_sync) {
-    sync_->watch(*module_, outputs,
-                 options.bucket_cap_mb()
-                     ? autograd::bucket_bytes_from_mib(*options.bucket_cap_mb(), kApi)
-                     : autograd::kDefaultGradBucketSize);
+    sync_->watch(*module_, outputs, bucket_bytes);
   }
   return outputs;
 #else

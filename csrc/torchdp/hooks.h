@@ -167,7 +167,7 @@ struct Misplaced {
   std::string name;        // qualified name, e.g. "masked.mask"
   std::string module_path; // qualified module name ("" for the root)
   std::string module_type;
-  const char* kind;        // "parameter" or "buffer"
+  const char* kind; // "parameter" or "buffer"
   c10::Device device;
 };
 /// The first registered parameter or buffer of `module` (recursively, parameters before buffers,

@@ -2,8 +2,10 @@
 
 #if TORCHDP_WITH_C10D
 
+#include <ATen/Context.h>
 #include <ATen/Functions.h>
 #include <c10/core/GradMode.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 #include <c10/util/irange.h>
 #include <torch/csrc/autograd/engine.h>
@@ -28,10 +30,10 @@
 // wrapper does the same in torchdp/_process_group.py (its Note has the same name).
 //
 // - First forward, and the first forward after the parameters changed (other tensors, another
-//   requires_grad): the processes compare their modules (number and elements of parameters and
-//   buffers, a hash of shapes, dtypes and requires_grad; a mismatch fails in every process) and
-//   take group rank 0's values. DDP does this at construction; here the module has reached its
-//   device by then. The processes must change their modules alike.
+//   requires_grad, dtype or device): the processes compare their modules (number and elements of
+//   parameters and buffers, a hash of shapes, dtypes and requires_grad; a mismatch fails in every
+//   process) and take group rank 0's values. DDP does this at construction; here the module has
+//   reached its device by then. The processes must change their modules alike.
 // - Each forward with grad mode on, outside no_sync(): group rank 0's buffers first
 //   (broadcast_buffers), then the outputs are hooked (not leaf outputs: a hook on a leaf would
 //   outlive the step).
@@ -329,25 +331,25 @@ void ProcessGroupSync::before_forward(const torch::nn::Module& module, bool buff
   }
   at::NoGradGuard no_grad;
   const auto params = unique(module.parameters());
-  std::vector<bool> flags;
-  flags.reserve(params.size());
+  std::vector<std::tuple<bool, c10::ScalarType, c10::Device>> kinds;
+  kinds.reserve(params.size());
   for (const auto& p : params) {
-    flags.push_back(p.requires_grad());
+    kinds.emplace_back(p.requires_grad(), p.scalar_type(), p.device());
   }
-  bool changed = !state_synced_ || synced_params_.size() != params.size() || synced_flags_ != flags;
+  bool changed = !state_synced_ || synced_params_.size() != params.size() || synced_kinds_ != kinds;
   for (size_t i = 0; !changed && i < params.size(); ++i) {
     changed = !synced_params_[i].is_same(params[i]);
   }
   if (changed) {
     const auto bufs = unique(module.buffers());
-    if (!params.empty() || !bufs.empty()) {
-      check_same_module(params, bufs);
-      auto all = params;
-      all.insert(all.end(), bufs.begin(), bufs.end());
-      broadcast(all);
-    }
+    // Also with nothing to compare: a process whose module is empty must still meet the others'
+    // check, or they would wait for it.
+    check_same_module(params, bufs);
+    auto all = params;
+    all.insert(all.end(), bufs.begin(), bufs.end());
+    broadcast(all);
     synced_params_ = params;
-    synced_flags_ = std::move(flags);
+    synced_kinds_ = std::move(kinds);
     state_synced_ = true;
     layout_.reset(); // made again at the next watch(), from these parameters
   } else if (buffers) {
@@ -374,7 +376,11 @@ void ProcessGroupSync::check_same_module(const std::vector<at::Tensor>& params,
                             text_hash(shapes.str())};
   auto all = params;
   all.insert(all.end(), buffers.begin(), buffers.end());
-  const auto device = collective_device(all);
+  auto device = collective_device(all);
+  // An empty module on an NCCL group (which reduces no CPU tensors): the current GPU.
+  if (all.empty() && group_->getBackendName() == "nccl" && at::hasCUDA()) {
+    device = c10::impl::VirtualGuardImpl(c10::DeviceType::CUDA).getDevice();
+  }
   const auto options = at::TensorOptions().dtype(at::kLong).device(device);
   std::vector<at::Tensor> input{at::tensor(mine, at::TensorOptions().dtype(at::kLong)).to(device)};
   std::vector<std::vector<at::Tensor>> output(1);
@@ -438,7 +444,7 @@ std::shared_ptr<ProcessGroupSync::Layout> ProcessGroupSync::layout_of(
   }
   std::vector<at::Tensor> params;
   for (const auto i : c10::irange(synced_params_.size())) {
-    if (synced_flags_[i]) {
+    if (std::get<0>(synced_kinds_[i])) { // requires_grad
       params.push_back(synced_params_[i]);
     }
   }

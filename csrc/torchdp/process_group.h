@@ -17,6 +17,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace torchdp::detail {
@@ -60,7 +61,9 @@ class ProcessGroupSync {
   bool state_synced_ = false;
   // The parameters (and their requires_grad) that the processes last agreed on.
   std::vector<at::Tensor> synced_params_;
-  std::vector<bool> synced_flags_;
+  // Each one's requires_grad, dtype and device: a conversion (to(kDouble), to(device)) keeps the
+  // parameters but gives them new AccumulateGrad nodes, which the layout must follow.
+  std::vector<std::tuple<bool, c10::ScalarType, c10::Device>> synced_kinds_;
   std::shared_ptr<Layout> layout_;
   std::shared_ptr<Passes> passes_;
 };

@@ -8,7 +8,7 @@ as ``DistributedDataParallel`` does, so that one process per host trains like on
 global batch. The C++ ``DataParallel`` does the same (csrc/torchdp/process_group.cpp).
 
 * At the first forward, and at the first forward after the module's parameters changed (other
-  tensors, or another ``requires_grad``), the processes check that their modules have the same
+  tensors, another ``requires_grad``, dtype or device), the processes check that their modules have the same
   parameters and buffers (count, shapes, dtypes, ``requires_grad``) and take group rank 0's values
   (DDP does this at construction; here it waits until the module has reached its device). The
   processes must change their modules alike.
@@ -152,7 +152,10 @@ class ProcessGroupSync:
         except Exception as exc:
             raise type(exc)(f"{api}: process_group cannot be used: {exc}") from exc
         # The parameters (and their requires_grad) that the processes last agreed on.
-        self._state: tuple[list[torch.Tensor], list[bool]] | None = None
+        # The parameters the processes last agreed on, and each one's (requires_grad, dtype,
+        # device): a conversion (module.double(), .to(device)) keeps the Parameter objects but
+        # gives them new AccumulateGrad nodes, which the layout must follow.
+        self._state: tuple[list[torch.Tensor], list[tuple[bool, Any, Any]]] | None = None
         self._layout: _Layout | None = None
         self._lock = threading.Lock()
         # The backward passes (graph task ids) whose hooks have run, oldest first: a pass ends by
@@ -169,20 +172,21 @@ class ProcessGroupSync:
         if self.world == 1:
             return
         params = list(module.parameters())
-        flags = [p.requires_grad for p in params]
+        kinds = [(p.requires_grad, p.dtype, p.device) for p in params]
         state = self._state
         with torch.no_grad():
             if (
                 state is None
                 or len(state[0]) != len(params)
                 or any(a is not b for a, b in zip(state[0], params))
-                or state[1] != flags
+                or state[1] != kinds
             ):
                 bufs = list(module.buffers())
-                if params or bufs:
-                    self._check_same_module(params, bufs)
-                    self._broadcast(params + bufs)
-                self._state = (params, flags)
+                # Also with nothing to compare: a process whose module is empty must still meet
+                # the others' check, or they would wait for it.
+                self._check_same_module(params, bufs)
+                self._broadcast(params + bufs)
+                self._state = (params, kinds)
                 self._layout = None  # made again at the next watch(), from these parameters
             elif buffers:
                 self._broadcast(list(module.buffers()))
@@ -212,7 +216,7 @@ class ProcessGroupSync:
         layout = self._layout
         if layout is None or layout.size != size:
             assert self._state is not None, "watch() runs after before_forward()"
-            params = [p for p, needs_grad in zip(*self._state) if needs_grad]
+            params = [p for p, (needs_grad, _, _) in zip(*self._state) if needs_grad]
             layout = self._layout = _Layout(module, params, size)
         return layout
 
@@ -230,7 +234,7 @@ class ProcessGroupSync:
             sum(b.numel() for b in buffers),
             zlib.crc32(shapes.encode()),
         ]
-        device = _collective_device(params + buffers)
+        device = _collective_device(params + buffers, self.group)
         gathered = [
             torch.empty(len(mine), dtype=torch.int64, device=device) for _ in range(self.world)
         ]
@@ -415,10 +419,19 @@ def _tensors_in(obj: Any) -> list[torch.Tensor]:
     return found
 
 
-def _collective_device(tensors: list[torch.Tensor]) -> torch.device:
+def _collective_device(tensors: list[torch.Tensor], group: Any) -> torch.device:
+    """Where the module check's collective runs: the module's accelerator, else the CPU (the
+    current GPU for an empty module on an NCCL group, which reduces no CPU tensors)."""
     for t in tensors:
         if t.device.type not in ("cpu", "meta"):
             return t.device
+    if not tensors and torch.cuda.is_available():
+        try:
+            backend = str(torch.distributed.get_backend(group))
+        except Exception:  # noqa: BLE001  a group without a backend name: the CPU
+            backend = ""
+        if backend == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 

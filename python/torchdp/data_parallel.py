@@ -500,10 +500,12 @@ class DataParallel(_TorchDataParallel[T]):
                 return self._forward(inputs, kwargs)
             # The module is on its device by now: the state is synchronised where it will run.
             grad_sync = torch.is_grad_enabled() and self.require_backward_grad_sync
+            # Checked before the module runs (a bad value leaves its buffers as they were).
+            bucket_bytes = _bucket_bytes(self.bucket_cap_mb, api) if grad_sync else None
             sync.before_forward(self.module, grad_sync and self.broadcast_buffers)
             outputs = self._forward(inputs, kwargs)
             if grad_sync:
-                sync.watch(self.module, outputs, _bucket_bytes(self.bucket_cap_mb, api))
+                sync.watch(self.module, outputs, bucket_bytes)
             return outputs
 
     def _forward(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -529,6 +529,70 @@ TEST_CASE("process_group: unused parameters, autograd::grad, buffers and mismatc
   }
 }
 
+TEST_CASE("process_group: a conversion after the first forward, an empty module, a bad bucket cap",
+          "[process_group]") {
+  std::vector<Mlp> nets{mlp(0), mlp(0)};
+  torch::nn::Linear linear(8, 4);
+  torch::nn::Identity identity;
+  std::vector<BnNet> bns{BnNet(), BnNet()};
+  const auto inputs = torch::randn({kWorld, 4, 8});
+  std::vector<std::vector<at::Tensor>> converted(kWorld);
+  std::vector<std::string> empty_mismatch(kWorld);
+  std::vector<std::string> bad_cap(kWorld);
+  auto errors = run_ranks([&](int rank, const c10::intrusive_ptr<ThreadGroup>& group) {
+    const auto r = static_cast<size_t>(rank);
+    const auto x = inputs[rank];
+    // to(kDouble) keeps the parameters but gives them new AccumulateGrad nodes: the next forward
+    // follows them, and the gradients are averaged.
+    auto net = nets[r];
+    torchdp::DataParallel dp(
+        net, torchdp::DataParallelOptions().device_ids(cpu_devices(2)).process_group(group));
+    dp->forward(x).sum().backward();
+    net->to(torch::kDouble);
+    net->zero_grad(/*set_to_none=*/true);
+    dp->forward(x.to(torch::kDouble)).sum().backward();
+    for (const auto& p : net->parameters()) {
+      converted[r].push_back(p.grad().defined() ? p.grad().clone() : at::Tensor());
+    }
+
+    // A process whose module is empty meets the others' check: both raise.
+    const auto options =
+        torchdp::DataParallelOptions().device_ids(cpu_devices(2)).process_group(group);
+    empty_mismatch[r] = error_message([&] {
+      if (rank == 0) {
+        torchdp::DataParallel(linear, options)->forward(x);
+      } else {
+        torchdp::DataParallel(identity, options)->forward(x);
+      }
+    });
+
+    // A bad bucket_cap_mb is refused before the module runs (one device: the module itself).
+    torchdp::DataParallel bn(
+        bns[r], torchdp::DataParallelOptions().device_ids(cpu_devices(1)).process_group(group));
+    bn->options.bucket_cap_mb(-1.0);
+    bad_cap[r] = error_message([&] {
+      bn->forward(x);
+    });
+    TORCH_CHECK(bns[r]->bn->num_batches_tracked.item<int64_t>() == 0,
+                "the failed forward updated the buffers");
+  });
+  REQUIRE(errors == std::vector<std::string>(kWorld));
+  REQUIRE(converted[0].size() == 4);
+  for (const auto i : c10::irange(converted[0].size())) {
+    REQUIRE(converted[0][i].defined());
+    REQUIRE(converted[1][i].defined());
+    CHECK(converted[0][i].scalar_type() == torch::kDouble);
+    CHECK(torch::allclose(converted[0][i], converted[1][i]));
+  }
+  for (const auto& m : empty_mismatch) {
+    CHECK(m.find("wrap different modules") != std::string::npos);
+    CHECK(m.find("group rank 1 has 0 parameters (0 elements) and 0 buffers") != std::string::npos);
+  }
+  for (const auto& m : bad_cap) {
+    CHECK(m.find("bucket_cap_mb") != std::string::npos);
+  }
+}
+
 // Passes its input on; its backward fails.
 struct FailsInBackward : torch::autograd::Function<FailsInBackward> {
   static at::Tensor forward(torch::autograd::AutogradContext*, const at::Tensor& x) {

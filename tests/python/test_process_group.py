@@ -5,6 +5,7 @@ must train like one process on the whole batch."""
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import os
 import sys
 import traceback
@@ -318,6 +319,24 @@ def _scenarios(rank: int, devices: list[str] | None) -> dict:
     dp(x.to(dev))
     out["new_head"] = dp.module[4].weight.detach().cpu()
 
+    # A conversion after the first forward keeps the Parameter objects but gives them new
+    # AccumulateGrad nodes: the next forward follows them, and the gradients are averaged.
+    conv = _wrap(_mlp(seed=0), devices, process_group=dist.group.WORLD)
+    xc = torch.randn(4, 8, generator=torch.Generator().manual_seed(30 + rank)).to(dev)
+    conv(xc).sum().backward()
+    conv.module.double()
+    conv.zero_grad(set_to_none=True)
+    conv(xc.double()).sum().backward()
+    out["converted_grads"] = [p.grad.cpu() for p in conv.module.parameters()]
+
+    # A process whose module has nothing to compare (an empty one) meets the others' check.
+    try:
+        module = nn.Linear(8, 4) if rank == 0 else nn.Identity()
+        _wrap(module, devices, process_group=dist.group.WORLD)(x.to(dev))
+        out["empty_mismatch"] = None
+    except RuntimeError as exc:
+        out["empty_mismatch"] = str(exc)
+
     # Modules that differ between processes are refused by both.
     try:
         _wrap(nn.Linear(8, 4 + rank), devices, process_group=dist.group.WORLD)(x.to(dev))
@@ -336,7 +355,14 @@ def _cpu_or_none(grad: torch.Tensor | None) -> torch.Tensor | None:
 def _worker(rank: int, backend: str, store: str, out_dir: str, devices: list[list[str] | None]):
     code = 0
     try:
-        dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=WORLD)
+        # A collective that one process never joins fails in two minutes instead of gloo's 30.
+        dist.init_process_group(
+            backend,
+            init_method=f"file://{store}",
+            rank=rank,
+            world_size=WORLD,
+            timeout=datetime.timedelta(seconds=120),
+        )
         try:
             torch.save(_scenarios(rank, devices[rank]), os.path.join(out_dir, f"{rank}.pt"))
             dist.barrier()
@@ -409,6 +435,14 @@ def _check(results: list[dict]) -> None:
         assert res["subset_none"] == res["subset_none_alone"]
         assert res["subset_none"][0] is False
         torch.testing.assert_close(res["subset_input"], subset_mean)
+
+    for a, b in zip(results[0]["converted_grads"], results[1]["converted_grads"], strict=True):
+        assert a.dtype == torch.float64
+        torch.testing.assert_close(a, b)
+    for res in results:
+        msg = res["empty_mismatch"]
+        assert msg is not None and "wrap different modules" in msg
+        assert "group rank 1 has 0 parameters (0 elements) and 0 buffers" in msg
 
     for res in results:
         assert res["remembered_passes"] == [0, 0, 4, 3]
@@ -518,6 +552,15 @@ def test_process_group_type_and_cuda_graphs_are_checked(world_of_one):
     misplaced.cuda_graphs = 8
     with pytest.raises(ValueError, match="process_group cannot be combined with cuda_graphs"):
         misplaced(torch.randn(2, 2))
+
+
+def test_bad_bucket_cap_is_refused_before_the_module_runs(world_of_one):
+    dp = torchdp.DataParallel(nn.BatchNorm1d(3), process_group=world_of_one)
+    dp.bucket_cap_mb = -1
+    with pytest.raises(ValueError, match="bucket_cap_mb"):
+        dp(torch.randn(4, 3))
+    assert dp.module.num_batches_tracked.item() == 0
+    torch.testing.assert_close(dp.module.running_mean, torch.zeros(3))
 
 
 def test_process_group_attribute_and_copies(world_of_one):
