@@ -191,8 +191,9 @@ struct ProcessGroupSync::Layout {
     if (!sparse.empty()) {
       std::vector<double> flags;
       for (const auto k : sparse) {
-        flags.push_back(params[k].grad().defined() ? 1.0 : 0.0);
-        sparse_missing = sparse_missing || !params[k].grad().defined();
+        const bool has = params[k].grad().defined();
+        flags.push_back(has ? 1.0 : 0.0);
+        sparse_missing = sparse_missing || !has;
       }
       sparse_used = at::tensor(flags, at::TensorOptions().dtype(at::kFloat))
                         .to(params[sparse.front()].device());

@@ -59,7 +59,7 @@ class ProcessGroupSync {
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   std::string api_;
   bool state_synced_ = false;
-  // The parameters (and their requires_grad) that the processes last agreed on.
+  // The parameters that the processes last agreed on.
   std::vector<at::Tensor> synced_params_;
   // Each one's requires_grad, dtype and device: a conversion (to(kDouble), to(device)) keeps the
   // parameters but gives them new AccumulateGrad nodes, which the layout must follow.

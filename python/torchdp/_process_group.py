@@ -8,10 +8,10 @@ as ``DistributedDataParallel`` does, so that one process per host trains like on
 global batch. The C++ ``DataParallel`` does the same (csrc/torchdp/process_group.cpp).
 
 * At the first forward, and at the first forward after the module's parameters changed (other
-  tensors, another ``requires_grad``, dtype or device), the processes check that their modules have the same
-  parameters and buffers (count, shapes, dtypes, ``requires_grad``) and take group rank 0's values
-  (DDP does this at construction; here it waits until the module has reached its device). The
-  processes must change their modules alike.
+  tensors, another ``requires_grad``, dtype or device), the processes check that their modules
+  have the same parameters and buffers (count, shapes, dtypes, ``requires_grad``) and take group
+  rank 0's values (DDP does this at construction; here it waits until the module has reached its
+  device). The processes must change their modules alike.
 * Each forward with grad mode on (outside ``no_sync()``) first broadcasts group rank 0's buffers
   when ``broadcast_buffers`` (BatchNorm's running statistics), and hooks the tensors of its output
   (inside lists, tuples, dicts, dataclasses and pytree-registered types; not leaf tensors, whose
@@ -151,7 +151,6 @@ class ProcessGroupSync:
             self.src = dist.get_global_rank(group, 0)
         except Exception as exc:
             raise type(exc)(f"{api}: process_group cannot be used: {exc}") from exc
-        # The parameters (and their requires_grad) that the processes last agreed on.
         # The parameters the processes last agreed on, and each one's (requires_grad, dtype,
         # device): a conversion (module.double(), .to(device)) keeps the Parameter objects but
         # gives them new AccumulateGrad nodes, which the layout must follow.
@@ -340,8 +339,10 @@ class ProcessGroupSync:
                 )
                 pending.append((work, flat, numel, bucket, grads, missing))
             sparse_used = sparse_work = None
+            sparse_missing = False
             if layout.sparse:
                 flags = [float(p.grad is not None) for p in layout.sparse]
+                sparse_missing = 0.0 in flags
                 sparse_used = torch.tensor(flags, device=layout.sparse[0].device)
                 sparse_work = self._collective(
                     lambda: dist.all_reduce(sparse_used, group=self.group, async_op=True)
@@ -377,9 +378,7 @@ class ProcessGroupSync:
                     elif current is not None or used[i] != 0:
                         writes.append((p, v.view_as(g).clone()))
             if sparse_used is not None:
-                used = (
-                    sparse_used.tolist() if any(p.grad is None for p, _ in sparse_writes) else None
-                )
+                used = sparse_used.tolist() if sparse_missing else None
                 for i, (p, g) in enumerate(sparse_writes):
                     if p.grad is not None or used[i] != 0:
                         writes.append((p, g))
