@@ -42,6 +42,17 @@ def read_version() -> str:
     return match.group(1)
 
 
+def torch_requirement() -> list[str]:
+    """torch pinned to the release this build links against (local tags such as +cpu dropped, so
+    that the CPU and CUDA builds of that release both satisfy it; torchdp's import checks the full
+    version)."""
+    try:
+        import torch
+    except ImportError:
+        return ["torch"]  # build_ext reports the missing torch
+    return [f"torch=={torch.__version__.split('+')[0]}"]
+
+
 class CMakeExtension(Extension):
     """An extension built by CMake: no sources here, CMakeLists.txt lists them."""
 
@@ -119,6 +130,7 @@ setup(
     packages=find_packages(where="python"),
     package_dir={"": "python"},
     package_data={"torchdp": ["py.typed", "*.pyi"]},
+    install_requires=torch_requirement(),
     ext_modules=[CMakeExtension("torchdp._C")],
     cmdclass={"build_ext": CMakeBuild},
     zip_safe=False,
