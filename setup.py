@@ -97,7 +97,10 @@ class CMakeBuild(build_ext):
             "-DTORCHDP_BUILD_TESTS=OFF",
             "-DTORCHDP_BUILD_EXAMPLES=OFF",
             "-DTORCHDP_BUILD_BENCHMARKS=OFF",
-            "-DTORCHDP_INSTALL=OFF",
+            # The wheel carries the C++ package too (headers, the core library, the CMake
+            # files), installed next to _C below: torchdp.cmake_prefix_path points there.
+            "-DTORCHDP_INSTALL=ON",
+            "-DCMAKE_INSTALL_LIBDIR=lib",
             "-DBUILD_SHARED_LIBS=OFF",
         ]
         # A generator is chosen only for a fresh build folder: CMake refuses to switch later.
@@ -110,8 +113,19 @@ class CMakeBuild(build_ext):
         jobs = jobs or str(os.cpu_count() or 1)
         build_args = ["--config", build_type, "--target", "_C", "--parallel", jobs]
 
+        print(
+            f"torchdp: building the C++ extension with CMake in {build_dir} ({jobs} jobs; a few "
+            "minutes; `pip install -v` shows the compiler's progress)",
+            flush=True,
+        )
         self._run(["cmake", "-S", str(ext.source_dir), "-B", str(build_dir), *cmake_args])
         self._run(["cmake", "--build", str(build_dir), *build_args])
+        # An editable install runs from the source tree, which gets only the module.
+        if not (self.inplace or getattr(self, "editable_mode", False)):
+            self._run(
+                ["cmake", "--install", str(build_dir), "--config", build_type,
+                 "--prefix", str(ext_dir)]
+            )
 
         if not ext_path.exists():
             raise RuntimeError(

@@ -68,6 +68,31 @@ struct DataParallelOptions {
 
 class DataParallelImpl;
 
+namespace detail {
+
+// True when `&Impl::forward` names one function, which AnyModule needs to learn the signature.
+template <typename Impl, typename = void>
+struct HasConcreteForward : std::false_type {};
+template <typename Impl>
+struct HasConcreteForward<Impl, std::void_t<decltype(&Impl::forward)>> : std::true_type {};
+
+// Note [Modules with a templated forward]
+// torch::nn::Sequential (and any module whose forward is a template) cannot go into an AnyModule,
+// which needs one concrete forward. DataParallel then holds the module itself as usual (it is
+// registered, cloned and replicated like any other) and calls each replica through this adaptor,
+// whose forward takes one tensor and returns one tensor. The adaptor is not a child of anything:
+// it only forwards the call.
+template <typename Impl>
+struct TensorForward : torch::nn::Module {
+  explicit TensorForward(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
+  at::Tensor forward(at::Tensor input) {
+    return impl_->forward(std::move(input));
+  }
+  std::shared_ptr<Impl> impl_;
+};
+
+} // namespace detail
+
 /// While it lives, the forwards of a DataParallel do not average their gradients over its
 /// process_group in their backward pass (gradient accumulation, as DDP's no_sync()); the first
 /// backward of a forward after it averages everything accumulated. See DataParallelImpl::no_sync.
@@ -103,14 +128,21 @@ class NoSync {
 ///   loss.backward();
 class DataParallelImpl : public torch::nn::Module {
  public:
-  /// Wraps `module` (a holder such as `torch::nn::Linear` or a `std::shared_ptr<Impl>`).
+  /// Wraps `module` (a holder such as `torch::nn::Linear` or a `std::shared_ptr<Impl>`). A module
+  /// whose forward is a template, such as `torch::nn::Sequential`, is called with one tensor and
+  /// must return one (Note [Modules with a templated forward]).
   template <typename ModuleType>
   explicit DataParallelImpl(ModuleType module, DataParallelOptions options = {})
       : options(std::move(options)) {
     using Impl = typename std::decay_t<decltype(*module)>;
     std::shared_ptr<Impl> ptr = as_shared(module);
     init(ptr, [](const std::shared_ptr<torch::nn::Module>& m) {
-      return torch::nn::AnyModule(std::static_pointer_cast<Impl>(m));
+      if constexpr (detail::HasConcreteForward<Impl>::value) {
+        return torch::nn::AnyModule(std::static_pointer_cast<Impl>(m));
+      } else {
+        return torch::nn::AnyModule(
+            std::make_shared<detail::TensorForward<Impl>>(std::static_pointer_cast<Impl>(m)));
+      }
     });
   }
 

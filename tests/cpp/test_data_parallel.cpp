@@ -485,6 +485,28 @@ TEST_CASE("DataParallelOptions::bucket_cap_mb sets the gradient buckets", "[cpu]
                             "bucket_cap_mb must be a non-negative number of MiB");
 }
 
+TEST_CASE("DataParallel wraps a torch::nn::Sequential directly", "[cpu][data_parallel]") {
+  // Sequential's forward is a template (Note [Modules with a templated forward]).
+  torch::manual_seed(11);
+  torch::nn::Sequential net(torch::nn::Linear(4, 8), torch::nn::ReLU(), torch::nn::Linear(8, 2));
+  torch::nn::Sequential reference(torch::nn::Linear(4, 8), torch::nn::ReLU(),
+                                  torch::nn::Linear(8, 2));
+  copy_state(*reference, *net);
+  torchdp::DataParallel dp(net, on(cpu_devices(3)));
+  const auto x = torch::randn({9, 4});
+  auto out = dp->forward(x);
+  CHECK(torch::allclose(out, reference->forward(x), 1e-5, 1e-6));
+  CHECK(dp->forward_replicas(x).size() == 3);
+  out.pow(2).sum().backward();
+  reference->forward(x).pow(2).sum().backward();
+  const auto params = net->parameters();
+  const auto expected = reference->parameters();
+  REQUIRE(params.size() == expected.size());
+  for (size_t k = 0; k < params.size(); ++k) {
+    CHECK(torch::allclose(params[k].grad(), expected[k].grad(), 1e-5, 1e-6));
+  }
+}
+
 TEST_CASE("a bad TORCHDP_GRAD_* variable fails when the DataParallel is made",
           "[cpu][data_parallel]") {
   torch::nn::Linear net(4, 2);
