@@ -4,6 +4,7 @@
 #   make python build only the torchdp._C extension, in place (python/torchdp/_C*.so)
 #   make install-python   pip install --no-build-isolation -e . (the setup.py driven build)
 #   make bench  the benchmark suite, all modes side by side, into benchmarks/results/ (GPUs)
+#   make soak   many training steps, failing when memory or the thread count grow
 #   make demo   train a small masked model with torchdp.DataParallel (Python) and check it
 #   make demo-cpp   the same with torchdp::DataParallel in C++
 #   make test-sanitize   the C++ and Python tests against an AddressSanitizer + UBSan build
@@ -25,7 +26,7 @@ CUDA_ARGS := -DTORCHDP_WITH_CUDA=ON -DTORCHDP_WITH_NCCL=ON
 endif
 
 .PHONY: all deps configure build test test-cpp consumer python test-python install-python demo \
-	demo-cpp bench clean test-sanitize
+	demo-cpp bench soak clean test-sanitize
 
 all: build
 
@@ -116,6 +117,12 @@ bench: python
 	PYTHONPATH=$(CURDIR)/python $(PYTHON) benchmarks/run_all.py \
 	  --cpp-bin $(BUILD)/benchmarks/cpp/torchdp_bench_cpp $(BENCH_ARGS)
 	PYTHONPATH=$(CURDIR)/python $(PYTHON) benchmarks/profile_step.py $(PROFILE_ARGS)
+
+# The soak test: 2,000 training steps through torchdp.DataParallel (cuda:0,cuda:0 with a GPU,
+# else cpu,cpu), failing when RSS, the thread count or CUDA memory grow past its bounds.
+# SOAK_ARGS="--devices cuda:0,cuda:0 --steps 5000" changes it (benchmarks/soak.py --help).
+soak: python
+	PYTHONPATH=$(CURDIR)/python $(PYTHON) benchmarks/soak.py $(SOAK_ARGS)
 
 # AddressSanitizer + UndefinedBehaviorSanitizer over the core, the extension and the C++ tests, built
 # in $(SAN_BUILD) (the extension goes to $(SAN_BUILD)/python/torchdp, next to a copy of the package's

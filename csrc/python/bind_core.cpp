@@ -18,6 +18,10 @@
 #include <c10/util/Exception.h>
 #include <c10/util/irange.h>
 
+#if defined(__GLIBCXX__)
+#include <cxxabi.h> // abi::__forced_unwind
+#endif
+
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -115,14 +119,6 @@ struct PythonRun {
   std::vector<char> cpp_failed;
 };
 
-bool interpreter_finalizing() {
-#if PY_VERSION_HEX >= 0x030D0000
-  return Py_IsFinalizing() != 0;
-#else
-  return _Py_IsFinalizing() != 0;
-#endif
-}
-
 // The GIL of a task. An abandoned task may still run when the interpreter exits; Python then
 // ends its thread (pthread_exit) as soon as it asks for the GIL again, and that unwinding must
 // neither be stopped nor run pybind11's thread-state cleanup against a finalizing interpreter:
@@ -183,7 +179,7 @@ py::list parallel_apply(const std::vector<py::function>& fns,
   // run]).
   PythonError interrupt;
   {
-    py::gil_scoped_release no_gil;
+    GilRelease no_gil; // Note [Python callables on parallel_run workers]
     devices = normalize_devices(devices_in, api);
     const auto task = [state](size_t i) {
       TaskGil gil;
@@ -212,6 +208,10 @@ py::list parallel_apply(const std::vector<py::function>& fns,
     };
     try {
       parallel_run(n, devices, task, interrupted);
+#if defined(__GLIBCXX__)
+    } catch (abi::__forced_unwind&) {
+      throw; // the thread is ending (interpreter exit): never stopped
+#endif
     } catch (const Interrupted&) {
       // Handled below, with the GIL.
     } catch (...) {
@@ -232,6 +232,7 @@ py::list parallel_apply(const std::vector<py::function>& fns,
         throw;
       }
     }
+    no_gil.reacquire();
   }
   // The GIL is held again from here on.
   if (interrupt.type) {
@@ -289,6 +290,22 @@ raises RuntimeError for a bad value, as the next differentiable broadcast would.
           return torchdp::cuda_device_count();
         }),
         R"doc(The number of visible CUDA devices (0 on CPU-only builds or machines).)doc");
+
+  m.def("check_forward_context", torch::wrap_pybind_function([](const std::string& api) {
+          torchdp::detail::check_forward_context(api.c_str());
+        }),
+        py::arg("api"),
+        R"doc(Raises RuntimeError naming ``api`` where a data-parallel forward cannot run: under
+torch.jit.trace and inside torch.func transforms.)doc");
+
+  m.def("check_output_device",
+        torch::wrap_pybind_function([](const std::vector<c10::Device>& devices, c10::Device output,
+                                       const std::string& api) {
+          torchdp::check_output_device(devices, output, api.c_str());
+        }),
+        py::arg("devices"), py::arg("output"), py::arg("api"),
+        R"doc(Raises ValueError for an output device the gradients cannot come back from (meta
+when a device of the list holds data).)doc");
 
   m.def(
       "normalize_devices",

@@ -15,6 +15,40 @@
 
 namespace torchdp::python {
 
+/// True once the interpreter has begun to finalize.
+inline bool interpreter_finalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing() != 0;
+#else
+  return _Py_IsFinalizing() != 0;
+#endif
+}
+
+/// Releases the GIL for its scope, for waits that may outlast the interpreter. At exit CPython
+/// ends a daemon thread that asks for the GIL back (pthread_exit); asked from a destructor, that
+/// unwinding would std::terminate the process. So normal paths take the GIL back with
+/// reacquire(), and the destructor (exception paths) only while the interpreter is not
+/// finalizing (then the thread is ending anyway).
+class GilRelease {
+ public:
+  GilRelease() : state_(PyEval_SaveThread()) {}
+  ~GilRelease() {
+    if (state_ != nullptr && !interpreter_finalizing()) {
+      PyEval_RestoreThread(state_);
+    }
+  }
+  void reacquire() {
+    PyThreadState* state = state_;
+    state_ = nullptr;
+    PyEval_RestoreThread(state);
+  }
+  GilRelease(const GilRelease&) = delete;
+  GilRelease& operator=(const GilRelease&) = delete;
+
+ private:
+  PyThreadState* state_;
+};
+
 /// The core section of torchdp._C (csrc/python/bind_core.cpp): runtime queries, device
 /// normalisation, the comm / autograd transport functions and parallel_apply.
 void init_core(pybind11::module_& m);

@@ -398,7 +398,7 @@ std::pair<py::list, py::list> parameters_and_buffers(py::handle network, const N
   if (!net.dicts_ok) {
     return {py::list(network.attr("parameters")()), py::list(network.attr("buffers")())};
   }
-  auto collect = [&](py::object ModuleEntry::*member) {
+  auto collect = [&](py::object ModuleEntry::* member) {
     py::list out;
     std::unordered_map<PyObject*, bool> seen;
     for (const auto& e : net.modules) {
@@ -486,6 +486,26 @@ bool same_view(PyObject* stored, PyObject* copy) {
          a.strides() == b.strides() && a.requires_grad() == b.requires_grad() && a.has_storage() &&
          b.has_storage() && a.storage().is_alias_of(b.storage()) &&
          a.storage_offset() == b.storage_offset();
+}
+
+std::string path_in(py::handle root, py::handle module);
+
+// Re-raises `error`, raised while a replica of `module` was wired, naming the module's path in
+// `root` and its class (a builtin exception keeps its type; others become RuntimeError, whose
+// constructor surely takes one message), chained to the original.
+[[noreturn]] void raise_with_module_path(py::error_already_set& error, py::handle root,
+                                         py::handle module) {
+  const auto path = path_in(root, module);
+  const std::string cls = py::str(py::type::of(module).attr("__qualname__"));
+  const std::string message =
+      std::string(kApi) + ": assigning the replica's attributes of module '" +
+      (path.empty() ? "<root>" : path) + "' (class " + cls +
+      ", through its __setattr__) failed: " + py::str(error.value()).cast<std::string>();
+  py::handle type = error.type();
+  const bool builtin = PyType_Check(type.ptr()) &&
+                       py::str(type.attr("__module__")).cast<std::string>() == "builtins";
+  py::raise_from(error, builtin ? type.ptr() : PyExc_RuntimeError, message.c_str());
+  throw py::error_already_set();
 }
 
 void wire_with_setattr(const ModuleEntry& e, size_t i, const std::vector<py::list>& copies,
@@ -744,7 +764,7 @@ void transfer(Source& s, std::optional<int64_t> grad_bucket_bytes) {
   const size_t n = s.devices.size();
   std::vector<std::vector<at::Tensor>> param_copies, rg_copies, plain_copies;
   {
-    py::gil_scoped_release no_gil;
+    GilRelease no_gil;
     std::optional<autograd::GradBucketSizeGuard> bucket_size;
     if (grad_bucket_bytes) {
       bucket_size.emplace(static_cast<size_t>(*grad_bucket_bytes));
@@ -759,6 +779,7 @@ void transfer(Source& s, std::optional<int64_t> grad_bucket_bytes) {
     param_copies = broadcast(s.param_tensors, !s.detach);
     rg_copies = broadcast(s.rg_buffers, true);
     plain_copies = broadcast(s.plain_buffers, false);
+    no_gil.reacquire();
   }
   auto wrap = [](std::vector<at::Tensor>& group) {
     py::list out(group.size());
@@ -808,7 +829,11 @@ std::vector<py::list> build(const Source& s, std::vector<std::vector<ReplicaDict
   for (const auto i : c10::irange(count)) {
     const auto& e = s.net.modules[i];
     if (!dict_ops(s, e)) {
-      wire_with_setattr(e, i, copies, s.net, s.tensors);
+      try {
+        wire_with_setattr(e, i, copies, s.net, s.tensors);
+      } catch (py::error_already_set& error) {
+        raise_with_module_path(error, s.net.modules.front().module, e.module);
+      }
       continue;
     }
     for (const auto j : c10::irange(n)) {
@@ -1283,7 +1308,10 @@ written back into them (Note [Buffers of failed forwards]).)doc")
       .def("restore", torch::wrap_pybind_function([](torchdp::BufferSnapshot& self) {
              return self.restore();
            }),
-           "Writes the copy back into the buffers; returns how many.")
+           "Writes the copy back into the buffers; returns how many (0, with a warning, when "
+           "another forward used the same buffers since the copy was taken).")
+      .def("release", &torchdp::BufferSnapshot::release,
+           "Ends the forward the copy was taken for (its buffers are no longer marked as used).")
       .def("__len__", &torchdp::BufferSnapshot::size);
   m.def("snapshot_buffers", torch::wrap_pybind_function([](py::object network) {
           TypeTable types;

@@ -48,6 +48,7 @@ void DataParallelImpl::init(std::shared_ptr<torch::nn::Module> module, Wrap wrap
                 " was given but no device is in use (no CUDA device is visible and device_ids is "
                 "unset); pass device_ids too");
     output_device_ = normalize_device(*options.output_device(), kApi);
+    check_output_device(device_ids_, *output_device_, kApi);
   } else if (!device_ids_.empty()) {
     output_device_ = device_ids_.front();
   }
@@ -183,6 +184,7 @@ std::vector<at::Tensor> DataParallelImpl::run_here(std::vector<at::Tensor> input
     }
     return {call(any_, inputs)};
   }
+  detail::check_forward_context(kApi);
   std::vector<std::vector<at::Tensor>> chunks(inputs.size());
   size_t n = device_ids_.size();
   for (const auto k : c10::irange(inputs.size())) {
@@ -237,7 +239,11 @@ std::vector<at::Tensor> DataParallelImpl::run_here(std::vector<at::Tensor> input
     });
   } catch (...) {
     snapshot->restore();
+    snapshot->release();
     throw;
+  }
+  if (buffers == nullptr) {
+    snapshot->release(); // no gather follows: the forward is over
   }
   return outputs;
 }
@@ -267,10 +273,15 @@ at::Tensor DataParallelImpl::join(std::vector<at::Tensor> outputs,
     return outputs.front().to(*output_device_);
   }
   try {
-    return autograd::gather(outputs, *output_device_, options.dim());
+    auto gathered = autograd::gather(outputs, *output_device_, options.dim());
+    if (buffers) {
+      buffers->release();
+    }
+    return gathered;
   } catch (...) {
     if (buffers) {
       buffers->restore();
+      buffers->release();
     }
     throw;
   }

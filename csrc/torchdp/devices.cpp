@@ -85,6 +85,20 @@ std::vector<c10::Device> normalize_devices(const std::vector<c10::Device>& devic
   return out;
 }
 
+void check_output_device(const std::vector<c10::Device>& devices, c10::Device output,
+                         const char* api) {
+  if (!output.is_meta() || devices.size() < 2) {
+    return; // one device: nothing is gathered to output_device
+  }
+  for (const auto& d : devices) {
+    TORCH_CHECK_VALUE(d.is_meta(), api, ": output_device meta holds no data, so with devices ",
+                      devices_to_string(devices),
+                      " the outputs' gradients could not flow back to the replicas on ", d,
+                      "; pass an output device of the list (for example ", devices.front(),
+                      "), or meta devices only");
+  }
+}
+
 std::string devices_to_string(const std::vector<c10::Device>& devices) {
   std::ostringstream os;
   os << "[";

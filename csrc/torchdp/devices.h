@@ -28,6 +28,12 @@ c10::Device normalize_device(c10::Device device, const char* api);
 std::vector<c10::Device> normalize_devices(const std::vector<c10::Device>& devices,
                                            const char* api);
 
+/// Refuses an output device that the outputs can reach but their gradients cannot come back from:
+/// `meta` (no data) when a device of the list holds data and the list has several devices (one
+/// device gathers nothing). Raises a c10::ValueError naming `api`.
+void check_output_device(const std::vector<c10::Device>& devices, c10::Device output,
+                         const char* api);
+
 /// "[cuda:0, cuda:1]": for error messages.
 std::string devices_to_string(const std::vector<c10::Device>& devices);
 

@@ -3,8 +3,10 @@
 #include <torchdp/parallel_apply.h>
 
 #include <ATen/ThreadLocalState.h>
+#include <ATen/TracerMode.h>
 #include <ATen/autocast_mode.h>
 #include <c10/core/StreamGuard.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Type.h>
 
@@ -20,11 +22,12 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
-#include <deque>
 #include <exception>
 #include <memory>
 #include <mutex>
 #include <thread>
+
+#include <pthread.h>
 
 namespace torchdp {
 namespace {
@@ -33,93 +36,128 @@ thread_local bool in_worker = false;
 
 // Note [Persistent workers]
 // parallel_apply runs every step, so creating threads per call (as torch.nn.parallel does) costs
-// real time. Workers are created on first use, one per replica slot beyond the first, and live for
-// the process (the pool is leaked on purpose: joining threads from static destructors can deadlock
-// with libraries that are already torn down). Each worker runs the tasks of its slot in order.
-// A worker whose task was abandoned by an interrupted call (Note [Interruptible waits]) is retired:
-// it leaves its slot, finishes that task on its own and then ends its thread; the slot's next
-// task gets a new worker.
+// real time; workers are created on first use and reused. Two invariants:
+// - A call's tasks start at once, each on a worker of its own, whatever other callers do: a task
+//   is handed only to an idle worker (one of its slot's, else a new one) and never queued behind
+//   another call's task. Replicas that wait for each other inside forward (a barrier among the
+//   replicas of one call, as synchronised BatchNorm does) cannot then deadlock with the replicas
+//   of a concurrent call. A task that hangs keeps its worker; later calls take other workers.
+// - A forked child gets a fresh, empty pool (pthread_atfork): the parent's workers do not exist
+//   there, and the parent's pool (whose locks may have been held at fork time) is left untouched.
+// A worker returns to its slot's idle list after its task; beyond kIdlePerSlot idle workers per
+// slot (concurrent callers), it ends instead. Pools are never destroyed: joining threads from
+// static destructors can deadlock with libraries that are already torn down.
 class WorkerPool {
  public:
   static WorkerPool& instance() {
-    static auto* pool = new WorkerPool();
+    static const bool registered = [] {
+      pthread_atfork(nullptr, nullptr, &after_fork_in_child);
+      return true;
+    }();
+    (void)registered;
+    WorkerPool* pool = current_.load(std::memory_order_acquire);
+    if (pool == nullptr) {
+      auto* fresh = new WorkerPool();
+      if (current_.compare_exchange_strong(pool, fresh, std::memory_order_acq_rel)) {
+        return *fresh;
+      }
+      delete fresh; // another thread made the pool first; `pool` holds it
+    }
     return *pool;
   }
 
-  void submit(size_t slot, std::function<void()> task) {
-    // The task is queued under the pool's lock, so a worker that abandon() retires gets no task
-    // after it was retired (lock order: pool, then worker).
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (workers_.size() <= slot) {
-      workers_.resize(slot + 1);
-    }
-    if (!workers_[slot]) {
-      workers_[slot] = new Worker();
-    }
-    Worker* worker = workers_[slot];
+  // Runs `task` at once on an idle worker of `slot`, or on a new one; then `done`, once that
+  // worker is idle again (so that a caller woken by `done` finds it for its next call).
+  void submit(size_t slot, std::function<void()> task, std::function<void()> done) {
+    Worker* worker = nullptr;
     {
-      std::lock_guard<std::mutex> worker_lock(worker->mutex);
-      worker->tasks.push_back(std::move(task));
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (idle_.size() <= slot) {
+        idle_.resize(slot + 1);
+      }
+      auto& idle = idle_[slot];
+      if (!idle.empty()) {
+        worker = idle.back();
+        idle.pop_back();
+      }
+    }
+    if (worker == nullptr) {
+      worker = new Worker(this, slot); // owns itself: deleted when its thread ends
+    }
+    {
+      std::lock_guard<std::mutex> lock(worker->mutex);
+      worker->job = Job{std::move(task), std::move(done)};
     }
     worker->cv.notify_one();
   }
 
-  // The worker of `slot` is busy with a task nobody waits for: it is retired (its thread ends,
-  // and deletes it, once its queue is empty) and the slot gets a new worker next time.
-  void abandon(size_t slot) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (slot < workers_.size() && workers_[slot]) {
-      Worker* worker = workers_[slot];
-      {
-        // Notified under the worker's lock: once it is released, the worker may end and delete
-        // itself.
-        std::lock_guard<std::mutex> worker_lock(worker->mutex);
-        worker->retired = true;
-        worker->cv.notify_one();
-      }
-      workers_[slot] = nullptr;
-    }
-  }
-
  private:
+  static constexpr size_t kIdlePerSlot = 4;
+
+  struct Job {
+    std::function<void()> task;
+    std::function<void()> done;
+  };
+
   struct Worker {
+    WorkerPool* pool;
+    size_t slot;
     std::mutex mutex;
     std::condition_variable cv;
-    std::deque<std::function<void()>> tasks;
-    bool retired = false;
-    std::thread thread;
+    std::optional<Job> job; // set only while the worker is not idle
 
-    Worker()
-        : thread([this] {
-            loop();
-            delete this; // retired: nothing refers to this worker any more
-          }) {
-      thread.detach();
+    Worker(WorkerPool* p, size_t s) : pool(p), slot(s) {
+      std::thread([this] {
+        loop();
+        delete this;
+      }).detach();
     }
 
     void loop() {
       in_worker = true;
       for (;;) {
-        std::function<void()> task;
+        Job next;
         {
           std::unique_lock<std::mutex> lock(mutex);
           cv.wait(lock, [this] {
-            return !tasks.empty() || retired;
+            return job.has_value();
           });
-          if (tasks.empty()) {
-            return; // retired and done
-          }
-          task = std::move(tasks.front());
-          tasks.pop_front();
+          next = std::move(*job);
+          job.reset();
         }
-        task();
+        next.task();
+        const bool kept = pool->park(this);
+        next.done();
+        if (!kept) {
+          return;
+        }
       }
     }
   };
 
+  // Puts an idle worker back on its slot's list; false when the slot has enough idle workers.
+  bool park(Worker* worker) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto& idle = idle_[worker->slot];
+    if (idle.size() >= kIdlePerSlot) {
+      return false;
+    }
+    idle.push_back(worker);
+    return true;
+  }
+
+  static void after_fork_in_child() {
+    if (current_.load(std::memory_order_acquire) != nullptr) {
+      current_.store(new WorkerPool(), std::memory_order_release); // the old one is leaked
+    }
+  }
+
+  static std::atomic<WorkerPool*> current_;
   std::mutex mutex_;
-  std::vector<Worker*> workers_;
+  std::vector<std::vector<Worker*>> idle_;
 };
+
+std::atomic<WorkerPool*> WorkerPool::current_{nullptr};
 
 // Counts finished tasks; the caller waits for all.
 struct Latch {
@@ -173,15 +211,14 @@ std::string device_label(c10::Device device) {
 // Note [Interruptible waits]
 // Everything a call's tasks touch lives in one heap object that every task keeps alive, so a
 // caller that stops waiting (the interruptible parallel_run: Ctrl-C in Python while a replica
-// hangs) can return while tasks are still running. The tasks record their completion in
-// `finished`; the caller abandons the worker slots of the unfinished ones.
+// hangs) can return while tasks are still running. Their workers stay busy until the tasks end
+// (Note [Persistent workers]), so the next call runs on other workers.
 struct Run {
   Run(size_t n, const std::vector<c10::Device>& devices, std::function<void(size_t)> fn)
       : devices(devices.begin(), devices.begin() + static_cast<std::ptrdiff_t>(n)),
         streams(n),
         autocast_cache(at::autocast::is_autocast_cache_enabled()),
         errors(n),
-        finished(n),
         fn(std::move(fn)),
         latch(n > 0 ? n - 1 : 0) {
     // Captured in the calling thread: its current stream on each device and its thread-local
@@ -191,7 +228,6 @@ struct Run {
         streams[i] =
             c10::impl::getDeviceGuardImpl(this->devices[i].type())->getStream(this->devices[i]);
       }
-      finished[i] = false;
     }
   }
 
@@ -213,7 +249,6 @@ struct Run {
     } catch (...) {
       errors[i] = std::current_exception();
     }
-    finished[i] = true;
   }
 
   void rethrow_first_error() const {
@@ -229,7 +264,6 @@ struct Run {
   const at::ThreadLocalState state;
   const bool autocast_cache;
   std::vector<std::exception_ptr> errors;
-  std::vector<std::atomic<bool>> finished;
   std::function<void(size_t)> fn;
   Latch latch;
 };
@@ -259,6 +293,9 @@ std::shared_ptr<Run> start(size_t n, const std::vector<c10::Device>& devices,
                            const std::function<void(size_t)>& fn) {
   TORCH_CHECK(devices.size() >= n, "torchdp::parallel_run: ", n, " tasks but only ", devices.size(),
               " devices; pass one device per task");
+  if (n > 1) {
+    detail::check_forward_context("torchdp::parallel_run");
+  }
   auto run = std::make_shared<Run>(n, devices, fn);
   if (inline_run(n)) {
     for (size_t i = 0; i < n; ++i) {
@@ -268,14 +305,17 @@ std::shared_ptr<Run> start(size_t n, const std::vector<c10::Device>& devices,
   }
   auto& pool = WorkerPool::instance();
   for (size_t i = 1; i < n; ++i) {
-    pool.submit(i - 1, [run, i] {
-      run->run_one(i);
-      run->latch.count_down();
-    });
+    pool.submit(
+        i - 1,
+        [run, i] {
+          run->run_one(i);
+        },
+        [run] {
+          run->latch.count_down();
+        });
   }
   {
-    // Task 0 runs here: parallel_run calls nested in it run inline, as in the workers' tasks
-    // (queued on worker 0 they would wait behind this call's task 1, which may wait for task 0).
+    // Task 0 runs here: parallel_run calls nested in it run inline, as in the workers' tasks.
     const InWorker inline_nested;
     run->run_one(0);
   }
@@ -283,6 +323,22 @@ std::shared_ptr<Run> start(size_t n, const std::vector<c10::Device>& devices,
 }
 
 } // namespace
+
+namespace detail {
+void check_forward_context(const char* api) {
+  TORCH_CHECK(!at::tracer::impl::is_dispatch_enabled(), api,
+              ": torch.jit.trace cannot record a data-parallel forward (its replicas run on "
+              "worker threads, which the tracer does not see); trace the wrapped module instead, "
+              "e.g. torch.jit.trace(dp.module, example_inputs), and wrap the traced module");
+  TORCH_CHECK(
+      !c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::FuncTorchDynamicLayerFrontMode),
+      api,
+      ": a data-parallel forward cannot run inside a torch.func transform (vmap, grad, "
+      "jacrev, ...): its replicas copy the parameters, which the transform does not "
+      "see. Apply the transform to the wrapped module instead, e.g. "
+      "torch.func.vmap(dp.module)(x)");
+}
+} // namespace detail
 
 void parallel_run(size_t n, const std::vector<c10::Device>& devices,
                   const std::function<void(size_t)>& fn) {
@@ -303,12 +359,6 @@ void parallel_run(size_t n, const std::vector<c10::Device>& devices,
   if (!inline_run(n)) {
     while (!run->latch.wait_for(std::chrono::milliseconds(poll_ms))) {
       if (interrupted()) {
-        auto& pool = WorkerPool::instance();
-        for (size_t i = 1; i < n; ++i) {
-          if (!run->finished[i]) {
-            pool.abandon(i - 1);
-          }
-        }
         throw Interrupted();
       }
     }

@@ -13,7 +13,9 @@ namespace torchdp {
 
 /// Runs `fn(i)` for i in [0, n), each on its own worker with devices[i] as the current device and
 /// the caller's current stream of devices[i] as the current stream. Task 0 runs on the calling
-/// thread, the others on persistent per-slot worker threads (created once, reused by every call).
+/// thread, the others on persistent worker threads, reused from call to call: every task starts
+/// at once on a worker of its own, so the tasks of one call run at the same time whatever other
+/// threads call concurrently (tasks may wait for each other). A forked child starts new workers.
 /// The caller's thread-local state (grad mode, inference mode, autocast enabled flags and dtypes,
 /// autocast cache flag, profiler state) is carried into every worker.
 ///
@@ -24,6 +26,14 @@ namespace torchdp {
 /// calling thread instead.
 void parallel_run(size_t n, const std::vector<c10::Device>& devices,
                   const std::function<void(size_t)>& fn);
+
+namespace detail {
+/// Raises a c10::Error naming `api` where a data-parallel forward cannot run correctly: while
+/// torch.jit.trace records the calling thread (replicas on workers would be missing from the
+/// trace), and inside a torch.func transform (vmap, grad, jacrev: the replicas' copies of the
+/// parameters are not the tensors the transform wraps). parallel_run checks it too.
+void check_forward_context(const char* api);
+} // namespace detail
 
 /// Thrown by the interruptible parallel_run when `interrupted` returned true.
 class Interrupted : public std::exception {
@@ -36,8 +46,8 @@ class Interrupted : public std::exception {
 /// parallel_run whose wait can be cut short (Note [Interruptible waits]): while the calling
 /// thread waits for the workers (after task 0), it calls `interrupted()` every `poll_ms`
 /// milliseconds; when that returns true, it throws Interrupted at once, without waiting for the
-/// tasks still running. Those tasks finish later on their own (their errors are dropped) and their
-/// worker slots are replaced by fresh workers, so the next call does not queue behind them.
+/// tasks still running. Those tasks finish later on their own (their errors are dropped); the next
+/// call runs on other workers, so it does not queue behind them.
 /// Because tasks may outlive the call, `fn` must own everything it uses (no references to the
 /// caller's stack). When `interrupted` never returns true this behaves as parallel_run.
 void parallel_run(size_t n, const std::vector<c10::Device>& devices,

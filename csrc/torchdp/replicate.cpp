@@ -529,7 +529,44 @@ void clear_replica_cache() {
   // Destroyed here, outside the lock (a skeleton's destructor may run arbitrary module code).
 }
 
+namespace {
+
+// Which tensors the forwards in flight use (Note [Buffers of failed forwards]).
+struct BufferUses {
+  struct Use {
+    size_t active = 0;      // snapshots registered on the tensor
+    uint64_t last_take = 0; // the latest of their take ids
+  };
+  std::mutex mutex;
+  uint64_t takes = 0;
+  std::unordered_map<const c10::TensorImpl*, Use> uses;
+
+  static BufferUses& instance() {
+    static auto* uses = new BufferUses(); // leaked: snapshots may outlive static destructors
+    return *uses;
+  }
+};
+
+} // namespace
+
+void BufferSnapshot::release() {
+  if (take_id_ == 0) {
+    return;
+  }
+  auto& registry = BufferUses::instance();
+  std::lock_guard<std::mutex> lock(registry.mutex);
+  for (const auto& t : tensors_) {
+    auto it = registry.uses.find(t.unsafeGetTensorImpl());
+    if (it != registry.uses.end() && --it->second.active == 0) {
+      registry.uses.erase(it);
+    }
+  }
+  take_id_ = 0;
+  overlapped_ = false;
+}
+
 void BufferSnapshot::take(const std::vector<at::Tensor>& tensors) {
+  release();
   at::NoGradGuard no_grad;
   std::unordered_set<const c10::TensorImpl*> seen;
   std::vector<at::Tensor> kept;
@@ -575,12 +612,43 @@ void BufferSnapshot::take(const std::vector<at::Tensor>& tensors) {
       groups_[g].copies.push_back(copies_.back());
     }
   }
+  {
+    auto& registry = BufferUses::instance();
+    std::lock_guard<std::mutex> lock(registry.mutex);
+    take_id_ = ++registry.takes;
+    for (const auto& t : tensors_) {
+      auto& use = registry.uses[t.unsafeGetTensorImpl()];
+      overlapped_ = overlapped_ || use.active > 0;
+      ++use.active;
+      use.last_take = take_id_;
+    }
+  }
   for (auto& group : groups_) {
     at::_foreach_copy_(group.copies, group.sources);
   }
 }
 
 size_t BufferSnapshot::restore() {
+  if (take_id_ != 0) {
+    bool shared = overlapped_;
+    {
+      auto& registry = BufferUses::instance();
+      std::lock_guard<std::mutex> lock(registry.mutex);
+      for (size_t i = 0; !shared && i < tensors_.size(); ++i) {
+        const auto it = registry.uses.find(tensors_[i].unsafeGetTensorImpl());
+        shared = it == registry.uses.end() || it->second.last_take != take_id_;
+      }
+    }
+    if (shared) {
+      TORCH_WARN_ONCE(
+          "torchdp: a forward failed while another forward of the same module (or of "
+          "a module sharing its buffers) ran in another thread; their in-place buffer "
+          "updates cannot be told apart, so the buffers were not rolled back (see "
+          "Note [Buffers of failed forwards]). Run forwards of one module from one "
+          "thread at a time to keep the rollback.");
+      return 0;
+    }
+  }
   at::NoGradGuard no_grad;
   for (auto& group : groups_) {
     bool resized = false;

@@ -118,6 +118,10 @@ std::vector<torch::nn::ModuleHolder<ModuleType>> replicate(
 // a cache (cache_replicas=False, the functional C++ data_parallel) walk and copy anew each call.
 // Parameters are not copied: changing them in place inside a forward is rare and copying them every
 // step would cost a model's worth of memory traffic.
+// A failed forward undoes only its own changes: a snapshot is registered on its tensors from
+// take() to release(), and restore() writes nothing back when another forward used any of them
+// meanwhile (running when the snapshot was taken, or started since): their updates cannot be told
+// apart from this forward's, and a successful forward's update is never to be lost. It warns once.
 
 /// A copy of some tensors that can be written back into them. Undefined and meta tensors (no data),
 /// tensors whose elements overlap (expanded ones: no in-place write can change them) and sparse
@@ -131,10 +135,20 @@ class BufferSnapshot {
   explicit BufferSnapshot(const std::vector<at::Tensor>& tensors) {
     take(tensors);
   }
-  /// Copies `tensors` (replacing what the snapshot held).
+  ~BufferSnapshot() {
+    release();
+  }
+  BufferSnapshot(const BufferSnapshot&) = delete;
+  BufferSnapshot& operator=(const BufferSnapshot&) = delete;
+  /// Copies `tensors` (replacing what the snapshot held) at the start of a forward, and marks
+  /// them as used by that forward until release().
   void take(const std::vector<at::Tensor>& tensors);
-  /// Writes the copy back into the tensors; returns how many.
+  /// Writes the copy back into the tensors; returns how many. Writes nothing (returns 0, and
+  /// warns once) when another snapshot's forward used the same tensors since this one was taken.
   size_t restore();
+  /// Ends the forward: its tensors are no longer marked as used by it (also done by take() and
+  /// the destructor).
+  void release();
   /// How many tensors the snapshot holds.
   size_t size() const {
     return tensors_.size();
@@ -146,6 +160,8 @@ class BufferSnapshot {
   };
   std::vector<at::Tensor> tensors_, copies_;
   std::vector<Group> groups_;
+  uint64_t take_id_ = 0;    // 0: not registered
+  bool overlapped_ = false; // another forward used the tensors when this one was taken
 };
 
 namespace detail {

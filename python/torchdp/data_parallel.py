@@ -107,6 +107,53 @@ def _check_kwargs_chunks(inputs: Sequence[Any], kwargs: Sequence[Any], dim: int)
         )
 
 
+def _chunk_count(size: int, n: int) -> int:
+    """How many chunks ``torch.chunk`` makes of ``size`` rows for ``n`` devices."""
+    if size <= 0:
+        return 1
+    step = -(-size // n)
+    return -(-size // step)
+
+
+def _tensor_sizes(obj: Any, path: str, dim: int, out: list[tuple[str, int]]) -> None:
+    """(path, size along dim) of the tensors that scatter splits, walked by scatter's rules."""
+    if isinstance(obj, torch.Tensor):
+        if obj.dim() > 0:
+            out.append((path, obj.shape[dim] if -obj.dim() <= dim < obj.dim() else 0))
+    elif isinstance(obj, (list, tuple)):
+        for i, item in enumerate(obj):
+            _tensor_sizes(item, f"{path}[{i}]", dim, out)
+    elif isinstance(obj, dict):
+        for key, item in obj.items():
+            _tensor_sizes(item, f"{path}[{key!r}]", dim, out)
+
+
+def _check_short_inputs(
+    inputs: tuple[Any, ...], kwargs: dict[str, Any] | None, chunks: int, n: int, dim: int, api: str
+) -> None:
+    """Fewer chunks than devices happens for a small batch (fewer replicas run, as in PyTorch),
+    but also when one tensor is shorter than the others: scatter's zip then drops the rows of the
+    longer ones without a word (PyTorch too). That case is refused, naming both sizes."""
+    if chunks >= n:
+        return
+    sizes: list[tuple[str, int]] = []
+    for i, item in enumerate(inputs):
+        _tensor_sizes(item, f"positional argument {i}", dim, sizes)
+    for key, item in (kwargs or {}).items():
+        _tensor_sizes(item, f"keyword argument {key!r}", dim, sizes)
+    longest = max(sizes, key=lambda entry: _chunk_count(entry[1], n), default=None)
+    if longest is None or _chunk_count(longest[1], n) <= chunks:
+        return
+    shortest = min(sizes, key=lambda entry: _chunk_count(entry[1], n))
+    raise ValueError(
+        f"{api}: the input tensors have different sizes along dim {dim}: {longest[0]} has "
+        f"{longest[1]} but {shortest[0]} has {shortest[1]}, which splits into only "
+        f"{_chunk_count(shortest[1], n)} chunk(s) for {n} devices; the extra rows of the "
+        "longer tensors would be dropped. Give every tensor the batch size along that dim, or "
+        "pass the shorter one in another form (a buffer of the module, or a Python list)"
+    )
+
+
 def _output_device_of(output_device: Any, api: str) -> torch.device:
     """The output device of an explicit ``devices=`` list: the CPU is allowed ('cpu' or -1)."""
     if (
@@ -140,6 +187,7 @@ def _resolve_explicit(
     # CUDA devices that this process cannot use fail here, not at the first forward.
     _C.normalize_devices(device_list, api)
     _C.normalize_devices([output], f"{api} (output_device)")
+    _C.check_output_device(device_list, output, api)
     return device_list, output
 
 
@@ -237,6 +285,24 @@ def _device_error(
         "module must have its parameters and buffers "
         f"on device {src_device} (device_ids[0]) but found one of "
         f"them on device: {device} ({kind} '{name}'). Fix: {fix}."
+    )
+
+
+_warned_ignored_device_ids = False
+
+
+def _warn_ignored_device_ids(device_ids: Any) -> None:
+    """Once per process: explicit device_ids that the passthrough (no accelerator) drops."""
+    global _warned_ignored_device_ids
+    if _warned_ignored_device_ids:
+        return
+    _warned_ignored_device_ids = True
+    warnings.warn(
+        f"torchdp.DataParallel: device_ids={list(device_ids)!r} are ignored because no "
+        "accelerator is visible, so the wrapper only calls the module (as torch.nn.DataParallel "
+        "does). To run replicas on the CPU, pass devices=[torch.device('cpu')] * n instead",
+        UserWarning,
+        stacklevel=3,
     )
 
 
@@ -419,6 +485,8 @@ class DataParallel(_TorchDataParallel[T]):
         if device_type is None or device_type == "mps":
             # No accelerator: a passthrough wrapper, exactly like torch.nn.DataParallel
             # (dim, output_device and src_device_obj are not set).
+            if device_ids is not None:
+                _warn_ignored_device_ids(device_ids)
             self.module = module
             self.device_ids = []
             return
@@ -512,6 +580,10 @@ class DataParallel(_TorchDataParallel[T]):
         if not self.device_ids:
             output = self.module(*inputs, **kwargs)
             return output if self.gather_output else [output]
+        api = "torchdp.DataParallel"
+        if len(self.device_ids) > 1:
+            _C.check_forward_context(api)  # before anything runs: the module stays as it was
+        raw_inputs, raw_kwargs = inputs, kwargs
 
         inputs, module_kwargs = self.scatter(inputs, kwargs, self.device_ids)
         # An overridden scatter may say "no keyword arguments" with None (as parallel_apply).
@@ -532,6 +604,9 @@ class DataParallel(_TorchDataParallel[T]):
                 output = self.module(*inputs[0], **module_kwargs[0])
                 return output if self.gather_output else [output]
             _check_kwargs_chunks(inputs, module_kwargs, self.dim)
+            _check_short_inputs(
+                raw_inputs, raw_kwargs, len(inputs), len(self.device_ids), self.dim, api
+            )
             # Note [Buffers of failed forwards]: replica 0 updates the module's buffers in
             # place; a failure anywhere from here to the gather writes them back.
             buffers = None
@@ -557,6 +632,9 @@ class DataParallel(_TorchDataParallel[T]):
                 if buffers is not None:
                     buffers.restore()
                 raise
+            finally:
+                if buffers is not None:
+                    buffers.release()
         if not self.gather_output:
             return list(outputs)
         return self.gather(outputs, self.output_device)
@@ -749,6 +827,8 @@ def data_parallel(
     if found is not None:
         raise _device_error(src_device, found, wrapper=False)
 
+    if len(used_ids) > 1:
+        _C.check_forward_context("torchdp.data_parallel")
     scattered, scattered_kwargs = scatter_kwargs(inputs, module_kwargs, used_ids, dim)
     # A call without arguments runs once, on the first device.
     if not scattered and not scattered_kwargs:
@@ -758,6 +838,9 @@ def data_parallel(
     if len(used_ids) == 1:
         return module(*scattered[0], **scattered_kwargs[0])
     _check_kwargs_chunks(scattered, scattered_kwargs, dim)
+    _check_short_inputs(
+        inputs, module_kwargs, len(scattered), len(used_ids), dim, "torchdp.data_parallel"
+    )
     used = used_ids[: len(scattered)]
     buffers = None
     _expect_buffer_snapshot(module)  # Note [Buffers of failed forwards]
@@ -787,3 +870,6 @@ def data_parallel(
         if buffers is not None:
             buffers.restore()
         raise
+    finally:
+        if buffers is not None:
+            buffers.release()

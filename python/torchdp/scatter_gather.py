@@ -10,6 +10,8 @@ This module also holds the small device helpers the other modules of the package
 from __future__ import annotations
 
 import cmath
+import collections
+import copy
 import enum
 import operator
 import warnings
@@ -120,6 +122,24 @@ def _is_namedtuple(obj: Any) -> bool:
     return isinstance(obj, tuple) and hasattr(obj, "_asdict") and hasattr(obj, "_fields")
 
 
+def _rebuild_dict(like: dict[Any, Any], pairs: Any, api: str) -> dict[Any, Any]:
+    """A dict of ``like``'s type holding ``pairs``. Subclasses whose constructor takes other
+    arguments (``defaultdict``'s factory, ``Counter``'s counting) are rebuilt from a shallow copy
+    of ``like``, which keeps their attributes."""
+    if type(like) is dict or type(like) is collections.OrderedDict:
+        return type(like)(pairs)
+    try:
+        rebuilt = copy.copy(like)
+        dict.clear(rebuilt)
+        dict.update(rebuilt, pairs)
+    except Exception as e:
+        raise TypeError(
+            f"{api}: cannot rebuild a {type(like).__module__}.{type(like).__qualname__} per "
+            f"replica (copying it failed: {e}); pass a plain dict instead"
+        ) from e
+    return rebuilt
+
+
 def _scatter_map(obj: Any, devices: list[torch.device], dim: int) -> Any:
     # A plain recursive function (not a closure), so no reference cycle is left behind.
     if isinstance(obj, torch.Tensor):
@@ -135,7 +155,7 @@ def _scatter_map(obj: Any, devices: list[torch.device], dim: int) -> Any:
         return [list(chunk) for chunk in zip(*parts, strict=False)]
     if isinstance(obj, dict) and len(obj) > 0:
         parts = [_scatter_map(item, devices, dim) for item in obj.items()]
-        return [type(obj)(pairs) for pairs in zip(*parts, strict=False)]
+        return [_rebuild_dict(obj, pairs, "torchdp.scatter") for pairs in zip(*parts, strict=False)]
     node = _pytree.SUPPORTED_NODES.get(type(obj))
     if node is not None and not isinstance(obj, (dict, list, tuple)):
         # A type registered with torch.utils._pytree (register_dataclass, ...): split field by
@@ -336,9 +356,25 @@ def _gather_map(outputs: Sequence[Any], target: _GatherTarget, dim: int) -> Any:
             "are"
         )
     if isinstance(out, dict):
+        for i, d in enumerate(outputs):
+            if not isinstance(d, dict):
+                raise TypeError(
+                    f"torchdp.gather: output 0 holds {type(out).__qualname__} where output {i} "
+                    f"holds {type(d).__qualname__}; every replica must return the same structure"
+                )
         if not all(len(out) == len(d) for d in outputs):
             raise ValueError("All dicts must have the same number of keys")
-        return type(out)((k, _gather_map([d[k] for d in outputs], target, dim)) for k in out)
+        for i, d in enumerate(outputs):
+            if d.keys() != out.keys():
+                raise ValueError(
+                    f"torchdp.gather: the replicas returned dicts with different keys: replica 0 "
+                    f"has {list(out)}, replica {i} has {list(d)}; every replica must return the "
+                    "same keys"
+                )
+        return _rebuild_dict(
+            out, ((k, _gather_map([d[k] for d in outputs], target, dim)) for k in out),
+            "torchdp.gather",
+        )
     if hasattr(out, "__next__") or isinstance(out, (set, frozenset)):
         # A generator or iterator (consumed by taking it apart), or a set (no order to pair the
         # replicas' items by).

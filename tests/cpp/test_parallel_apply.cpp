@@ -2,10 +2,16 @@
 
 #include <ATen/autocast_mode.h>
 
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
+#include <csignal>
 #include <filesystem>
 #include <memory>
+#include <mutex>
 #include <thread>
 
 using namespace torchdp_test;
@@ -167,7 +173,7 @@ size_t thread_count() {
 
 } // namespace
 
-TEST_CASE("an interrupted wait returns while a task hangs, and its slot gets a new worker",
+TEST_CASE("an interrupted wait returns while a task hangs, and the next call runs elsewhere",
           "[cpu][parallel_apply]") {
   const auto devices = cpu_devices(3);
   // Owned by the tasks (they may outlive the call).
@@ -214,21 +220,106 @@ TEST_CASE("an interrupted wait returns while a task hangs, and its slot gets a n
   CHECK(ids[2] != ids[1]);
   CHECK(ids[2] != std::this_thread::get_id());
   CHECK_FALSE(hang->late);
-  // The abandoned task finishes on its own once released, and its retired worker's thread ends.
-  const auto threads = thread_count();
+  // The abandoned task finishes on its own once released; its worker becomes idle again, so
+  // later calls start no thread.
   hang->release = true;
   for (int i = 0; i < 5000 && !hang->late; ++i) {
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
   CHECK(hang->late);
-  if (threads > 0) {
-    size_t now = threads;
-    for (int i = 0; i < 5000 && now >= threads; ++i) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
-      now = thread_count();
-    }
-    CHECK(now == threads - 1);
+  const auto threads = thread_count();
+  for (int k = 0; k < 20; ++k) {
+    torchdp::parallel_run(3, devices, [](size_t) {});
   }
+  CHECK(thread_count() == threads);
+}
+
+namespace {
+
+// A barrier for the tasks of one call: every task waits until all `n` arrived, or `timeout`.
+struct CallBarrier {
+  explicit CallBarrier(size_t parties) : n(parties) {}
+  bool arrive_and_wait(std::chrono::milliseconds timeout) {
+    std::unique_lock<std::mutex> lock(mutex);
+    if (++arrived == n) {
+      cv.notify_all();
+      return true;
+    }
+    return cv.wait_for(lock, timeout, [this] {
+      return arrived == n;
+    });
+  }
+  std::mutex mutex;
+  std::condition_variable cv;
+  size_t n;
+  size_t arrived = 0;
+};
+
+} // namespace
+
+TEST_CASE("the tasks of concurrent calls never wait behind each other", "[cpu][parallel_apply]") {
+  // Tasks that wait for the other tasks of their call (a barrier, as synchronised BatchNorm
+  // does), driven by several threads at once: each call's tasks must all run at the same time.
+  const size_t n = 4;
+  const auto devices = cpu_devices(n);
+  std::atomic<int> timeouts{0};
+  std::atomic<int> calls{0};
+  auto drive = [&] {
+    for (int k = 0; k < 50; ++k) {
+      auto barrier = std::make_shared<CallBarrier>(n);
+      torchdp::parallel_run(n, devices, [&, barrier](size_t) {
+        if (!barrier->arrive_and_wait(std::chrono::seconds(10))) {
+          ++timeouts;
+        }
+      });
+      ++calls;
+    }
+  };
+  std::vector<std::thread> callers;
+  for (int t = 0; t < 3; ++t) {
+    callers.emplace_back(drive);
+  }
+  for (auto& t : callers) {
+    t.join();
+  }
+  CHECK(timeouts == 0);
+  CHECK(calls == 150);
+}
+
+TEST_CASE("a forked child runs parallel calls on workers of its own", "[cpu][parallel_apply]") {
+  const auto devices = cpu_devices(3);
+  std::atomic<int> ran{0};
+  torchdp::parallel_run(3, devices, [&](size_t) {
+    ++ran;
+  }); // the parent's workers exist now
+  const pid_t pid = fork();
+  REQUIRE(pid >= 0);
+  if (pid == 0) {
+    std::atomic<int> child_ran{0};
+    torchdp::parallel_run(3, devices, [&](size_t) {
+      ++child_ran;
+    });
+    _exit(child_ran == 3 ? 0 : 3);
+  }
+  int status = 0;
+  bool exited = false;
+  for (int i = 0; i < 3000 && !exited; ++i) {
+    exited = waitpid(pid, &status, WNOHANG) == pid;
+    if (!exited) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+  }
+  if (!exited) {
+    kill(pid, SIGKILL);
+    waitpid(pid, &status, 0);
+  }
+  CHECK(exited); // a hang would have been killed after 30 s
+  CHECK(WIFEXITED(status));
+  CHECK(WEXITSTATUS(status) == 0);
+  torchdp::parallel_run(3, devices, [&](size_t) {
+    ++ran;
+  }); // the parent's workers still serve it
+  CHECK(ran == 6);
 }
 
 TEST_CASE("an interruptible wait that is not interrupted returns results and errors",

@@ -51,9 +51,14 @@ def _net():
 @no_accelerator
 def test_passthrough_without_accelerator():
     net = _net()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
+    # The explicit device_ids are dropped, as by torch.nn.DataParallel, with a one-time warning.
+    torchdp.data_parallel._warned_ignored_device_ids = False
+    with pytest.warns(UserWarning, match=r"device_ids=\[0, 1\] are ignored[\s\S]*devices="):
         dp = torchdp.DataParallel(net, device_ids=[0, 1], output_device="cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once only
+        torchdp.DataParallel(net, device_ids=[0])
+        torchdp.DataParallel(net)  # no device_ids given: nothing was dropped
     assert dp.module is net and dp.device_ids == []
     for attribute in ("dim", "output_device", "src_device_obj"):
         with pytest.raises(AttributeError):
@@ -273,9 +278,11 @@ def test_forward_equals_module_and_output_device():
     dp = torchdp.DataParallel(net, devices=cpu_devices(2))
     x = torch.randn(7, 4)
     torch.testing.assert_close(dp(x), net(x))
-    dp = torchdp.DataParallel(net, devices=cpu_devices(2), output_device=META)
-    out = dp(x)
-    assert out.device.type == "meta" and out.shape == (7, 2)
+    # A meta output holds no data: the gradients could not come back to the CPU replicas.
+    with pytest.raises(ValueError, match="output_device meta holds no data"):
+        torchdp.DataParallel(net, devices=cpu_devices(2), output_device=META)
+    dp = torchdp.DataParallel(net, devices=[META, META], output_device=META)
+    assert dp.output_device == META
 
 
 class _Counter(nn.Module):
@@ -461,8 +468,8 @@ def test_functional_with_devices():
     torch.testing.assert_close(
         torchdp.data_parallel(net, (x,), devices=cpu_devices(3), output_device="cpu"), net(x)
     )
-    out = torchdp.data_parallel(net, x, devices=cpu_devices(2), output_device=META)
-    assert out.device.type == "meta"
+    with pytest.raises(ValueError, match=r"torchdp\.data_parallel: output_device meta"):
+        torchdp.data_parallel(net, x, devices=cpu_devices(2), output_device=META)
 
 
 def test_functional_none_inputs_and_kwargs():

@@ -8,6 +8,7 @@ import copy
 import importlib
 import pickle
 import threading
+import warnings
 import weakref
 from typing import Any
 
@@ -490,10 +491,14 @@ def test_replica_cache_buffer_snapshots():
     mean.fill_(1.0)
     second = cache.replicate(net, cpu_devices(2))[3]  # `first` is still held: a new copy
     mean.fill_(2.0)
-    first.restore()
-    assert torch.equal(mean, torch.zeros(3))
-    second.restore()
-    assert torch.equal(mean, torch.ones(3))
+    # Two forwards in flight on the same buffers cannot tell their changes apart: neither rolls
+    # back (a successful forward's update is never lost).
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert first.restore() == 0 and second.restore() == 0
+    assert torch.equal(mean, torch.full((3,), 2.0))
+    first.release()
+    second.release()
     del first, second
     for value in (3.0, 4.0):  # the kept copy, refreshed in place
         mean.fill_(value)

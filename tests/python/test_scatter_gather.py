@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import gc
 import warnings
-from collections import OrderedDict, defaultdict, namedtuple
+from collections import Counter, OrderedDict, defaultdict, namedtuple
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -469,9 +469,31 @@ def test_non_tensors_are_passed_by_reference(leaf, container, n):
         assert tensor.shape[0] == len(x.chunk(n)[i])
 
 
-def test_defaultdict_subclass_needs_pairs_constructor():
-    # PyTorch rebuilds dicts with type(obj)(pairs); a defaultdict cannot be built that way
-    # (pytorch #52597) and fails the same way here.
+def test_mapping_types_are_rebuilt_per_chunk():
+    # PyTorch rebuilds dicts with type(obj)(pairs), which a defaultdict refuses (pytorch #52597)
+    # and a Counter misreads; torchdp rebuilds them from a copy, keeping the factory.
     d = defaultdict(list, {"a": torch.randn(4)})
-    with pytest.raises(TypeError):
-        torchdp.scatter(d, cpu_devices(2))
+    chunks = torchdp.scatter(d, cpu_devices(2))
+    assert [type(c) for c in chunks] == [defaultdict, defaultdict]
+    assert all(c.default_factory is list and c["a"].shape == (2,) for c in chunks)
+    counts = Counter({"a": torch.arange(4.0)})
+    chunks = torchdp.scatter(counts, cpu_devices(2))
+    assert [type(c) for c in chunks] == [Counter, Counter]
+    assert torch.equal(chunks[1]["a"], torch.tensor([2.0, 3.0]))
+    gathered = torchdp.gather(chunks, "cpu")
+    assert type(gathered) is Counter and torch.equal(gathered["a"], torch.arange(4.0))
+
+    class Uncopyable(dict):
+        def __reduce_ex__(self, protocol):
+            raise TypeError("no copies")
+
+    with pytest.raises(TypeError, match=r"cannot rebuild a .*Uncopyable per replica"):
+        torchdp.scatter(Uncopyable(a=torch.randn(4)), cpu_devices(2))
+
+
+def test_gather_names_the_replicas_and_keys_of_different_dicts():
+    outputs = [{"a": torch.ones(1), "b": torch.ones(1)}, {"a": torch.ones(1), "c": torch.ones(1)}]
+    with pytest.raises(ValueError, match=r"replica 0 has \['a', 'b'\], replica 1 has \['a', 'c'\]"):
+        torchdp.gather(outputs, "cpu")
+
+
