@@ -6,6 +6,9 @@
 #   make bench  the benchmark suite, all modes side by side, into benchmarks/results/ (GPUs)
 #   make soak   many training steps, failing when memory or the thread count grow
 #   make demo   train a small masked model with torchdp.DataParallel (Python) and check it
+#   make docs   the Sphinx site into $(BUILD)/docs/html, warnings as errors
+#   make check-install   a fresh virtualenv installs torchdp with pip as a user does, imports it
+#               from outside the tree and builds a C++ app against it (tests/consumer/fresh_venv.sh)
 #   make demo-cpp   the same with torchdp::DataParallel in C++
 #   make test-sanitize   the C++ and Python tests against an AddressSanitizer + UBSan build
 # TORCHDP_REQUIRE_CUDA=1 makes a GPU run fail instead of skipping its CUDA cases and requires the
@@ -26,7 +29,7 @@ CUDA_ARGS := -DTORCHDP_WITH_CUDA=ON -DTORCHDP_WITH_NCCL=ON
 endif
 
 .PHONY: all deps configure build test test-cpp consumer python test-python install-python demo \
-	demo-cpp bench soak clean test-sanitize
+	demo-cpp bench soak clean test-sanitize docs check-install
 
 all: build
 
@@ -102,7 +105,15 @@ test: test-cpp consumer test-python
 
 # The Python example: a cplxmodule-style masked model trained with torchdp.DataParallel on all
 # GPUs (two CPU replicas without GPUs), checked against single-device training.
-demo: python
+# The build's output goes to a log, shown only when the build fails.
+demo:
+	@echo "== make demo: builds the torchdp._C extension (the first time: several minutes), then"
+	@echo "   trains a small model with a masked layer through torchdp.DataParallel on every GPU"
+	@echo "   (two CPU replicas without GPUs) and checks its weights against one-device training"
+	@mkdir -p $(BUILD)
+	@echo "== building (log: $(BUILD)/demo-build.log)"
+	@$(MAKE) --no-print-directory python >$(BUILD)/demo-build.log 2>&1 || { \
+	  tail -n 40 $(BUILD)/demo-build.log; echo "== the build failed: $(BUILD)/demo-build.log"; exit 1; }
 	PYTHONPATH=$(CURDIR)/python $(PYTHON) examples/python/train_masked.py
 
 # The C++ example: the same idea with torchdp::DataParallel and a post-replicate hook.
@@ -123,6 +134,20 @@ bench: python
 # SOAK_ARGS="--devices cuda:0,cuda:0 --steps 5000" changes it (benchmarks/soak.py --help).
 soak: python
 	PYTHONPATH=$(CURDIR)/python $(PYTHON) benchmarks/soak.py $(SOAK_ARGS)
+
+# The docs site (docs/), with warnings as errors; the API pages import the in-place extension.
+docs: python
+	@$(PYTHON) -c "import sphinx, myst_parser, furo" 2>/dev/null || { \
+	  echo "== installing the docs tools (docs/requirements.txt)"; \
+	  $(PYTHON) -m pip install --quiet -r docs/requirements.txt; }
+	PYTHONPATH=$(CURDIR)/python $(PYTHON) -m sphinx -W --keep-going -q -b html \
+	  -d $(BUILD)/docs/doctrees docs $(BUILD)/docs/html
+	@echo "== docs: $(BUILD)/docs/html/index.html"
+
+# The user's install in a fresh virtualenv (its own Release build, in build-setup/).
+check-install: deps
+	PYTHON=$(PYTHON) TORCH_VERSION=$(TORCH_VERSION) TORCH_INDEX_URL=$(TORCH_INDEX_URL) \
+	  MAX_JOBS=$(JOBS) bash tests/consumer/fresh_venv.sh $(BUILD)/fresh-venv
 
 # AddressSanitizer + UndefinedBehaviorSanitizer over the core, the extension and the C++ tests, built
 # in $(SAN_BUILD) (the extension goes to $(SAN_BUILD)/python/torchdp, next to a copy of the package's
