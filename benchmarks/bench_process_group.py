@@ -5,7 +5,7 @@ global batch on its own device (one GPU per process, or the CPU):
 
 * ``ddp``: ``DistributedDataParallel`` on the plain module;
 * ``torchdp_process_group``: ``torchdp.DataParallel(module, process_group=WORLD)`` (Note
-  [Reducing across processes] in python/torchdp/_process_group.py);
+  [Reducing across processes] in csrc/torchdp/process_group.cpp);
 * ``ddp_over_torchdp``: ``DistributedDataParallel(torchdp.DataParallel(module))``;
 
 and ``single``, one process training the whole batch alone on the first device (speedup =

@@ -56,6 +56,10 @@ void init_core(pybind11::module_& m);
 /// Python nn.Module replication (csrc/python/replicate_py.cpp): replicate, check_replica_devices.
 void init_replicate(pybind11::module_& m);
 
+/// Gradient averaging across processes (csrc/python/bind_process_group.cpp): ProcessGroupSync,
+/// when torchdp is built with c10d.
+void init_process_group(pybind11::module_& m);
+
 /// Support for torchdp's own tests (csrc/python/bind_testing.cpp): torchdp._C._testing.
 void init_testing(pybind11::module_& m);
 

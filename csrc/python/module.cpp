@@ -20,5 +20,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   torchdp::python::init_core(m);
   torchdp::python::init_replicate(m);
+  torchdp::python::init_process_group(m);
   torchdp::python::init_testing(m);
 }

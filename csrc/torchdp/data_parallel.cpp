@@ -157,7 +157,7 @@ std::vector<at::Tensor> DataParallelImpl::run(std::vector<at::Tensor> inputs, co
   sync_->before_forward(*module_, grad_sync && options.broadcast_buffers());
   auto outputs = run_here(std::move(inputs), call, originals, buffers);
   if (grad_sync) {
-    sync_->watch(*module_, outputs, bucket_bytes);
+    sync_->watch(outputs, bucket_bytes);
   }
   return outputs;
 #else

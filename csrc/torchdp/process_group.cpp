@@ -14,8 +14,10 @@
 #include <torch/nn/modules/embedding.h>
 
 #include <algorithm>
+#include <atomic>
 #include <deque>
 #include <map>
+#include <mutex>
 #include <set>
 #include <sstream>
 #include <tuple>
@@ -26,8 +28,9 @@
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // DataParallel sums the gradients of one process's replicas into the module's parameters. With a
 // process group, the processes of the group then average those sums, as DistributedDataParallel
-// does, so that one process per host trains like one process on the global batch. The Python
-// wrapper does the same in torchdp/_process_group.py (its Note has the same name).
+// does, so that one process per host trains like one process on the global batch. This engine
+// serves both front ends: the C++ DataParallel, and the Python wrapper through torchdp._C
+// (torchdp/_process_group.py walks the Python module and its outputs and calls it).
 //
 // - First forward, and the first forward after the parameters changed (other tensors, another
 //   requires_grad, dtype or device): the processes compare their modules (number and elements of
@@ -49,9 +52,9 @@
 //   the average. Each bucket carries one more element per parameter, 1 where the process has a
 //   gradient: a parameter without one in every process keeps none, as DDP leaves it (only a
 //   process that lacks a gradient reads those sums, which waits for the device). The weights of
-//   sparse Embedding/EmbeddingBag modules are all-reduced one by one as sparse tensors (empty
-//   ones where unused), with their flags in one more all-reduce; other sparse gradients are
-//   reduced densely.
+//   sparse embeddings (the front end says which) are all-reduced one by one as sparse tensors
+//   (empty ones where unused), with their flags in one more all-reduce; other sparse gradients
+//   are reduced densely.
 // Averaging a gradient that is already equal in every process leaves it as it is, so gradients
 // accumulated over several passes (with or without no_sync) come out right.
 
@@ -275,7 +278,9 @@ struct ProcessGroupSync::Passes {
   // does (a failed pass: the engine runs no callback) is dropped once kMaxPasses newer ones came.
   std::set<int> queued;
   std::deque<int> order;
+  size_t limit = kMaxPasses;
   std::mutex reduce_mutex;
+  std::atomic<int64_t> reductions{0};
 
   void forget(int task) {
     std::lock_guard<std::mutex> lock(mutex);
@@ -295,7 +300,7 @@ struct ProcessGroupSync::Passes {
         return;
       }
       self->order.push_back(task);
-      if (self->order.size() > kMaxPasses) {
+      while (self->order.size() > self->limit) {
         self->queued.erase(self->order.front());
         self->order.pop_front();
       }
@@ -311,6 +316,7 @@ struct ProcessGroupSync::Passes {
       queue([self, layout] {
         std::lock_guard<std::mutex> lock(self->reduce_mutex);
         layout->reduce();
+        ++self->reductions;
       });
     });
   }
@@ -326,33 +332,86 @@ size_t ProcessGroupSync::remembered_passes() const {
   return passes_->queued.size();
 }
 
-void ProcessGroupSync::before_forward(const torch::nn::Module& module, bool buffers) {
+size_t ProcessGroupSync::max_passes() const {
+  std::lock_guard<std::mutex> lock(passes_->mutex);
+  return passes_->limit;
+}
+
+void ProcessGroupSync::set_max_passes(size_t n) {
+  TORCH_CHECK_VALUE(n > 0, api_, ": max_passes must be positive, got ", n);
+  std::lock_guard<std::mutex> lock(passes_->mutex);
+  passes_->limit = n;
+}
+
+int64_t ProcessGroupSync::reductions() const {
+  return passes_->reductions.load();
+}
+
+bool ProcessGroupSync::agreed(const std::vector<at::Tensor>& params) const {
+  if (group_->getSize() == 1) {
+    return true;
+  }
+  if (!state_synced_ || synced_params_.size() != params.size()) {
+    return false;
+  }
+  for (const auto i : c10::irange(params.size())) {
+    const auto& p = params[i];
+    if (!synced_params_[i].is_same(p) ||
+        synced_kinds_[i] != std::make_tuple(p.requires_grad(), p.scalar_type(), p.device())) {
+      return false;
+    }
+  }
+  return true;
+}
+
+void ProcessGroupSync::agree(const std::vector<at::Tensor>& params,
+                             const std::vector<at::Tensor>& buffers,
+                             const std::vector<bool>& sparse) {
   if (group_->getSize() == 1) {
     return;
   }
+  TORCH_CHECK(sparse.empty() || sparse.size() == params.size(), api_, ": ", sparse.size(),
+              " sparse flags for ", params.size(), " parameters");
+  TORCH_CHECK(unique(params).size() == params.size(), api_,
+              ": the parameters hold a tensor twice; pass each parameter once");
   at::NoGradGuard no_grad;
-  const auto params = unique(module.parameters());
+  const auto unique_buffers = unique(buffers);
+  // Also with nothing to compare: a process whose module is empty must still meet the others'
+  // check, or they would wait for it.
+  check_same_module(params, unique_buffers);
+  auto all = params;
+  all.insert(all.end(), unique_buffers.begin(), unique_buffers.end());
+  broadcast(all);
   std::vector<std::tuple<bool, c10::ScalarType, c10::Device>> kinds;
   kinds.reserve(params.size());
   for (const auto& p : params) {
     kinds.emplace_back(p.requires_grad(), p.scalar_type(), p.device());
   }
-  bool changed = !state_synced_ || synced_params_.size() != params.size() || synced_kinds_ != kinds;
-  for (size_t i = 0; !changed && i < params.size(); ++i) {
-    changed = !synced_params_[i].is_same(params[i]);
-  }
-  if (changed) {
-    const auto bufs = unique(module.buffers());
-    // Also with nothing to compare: a process whose module is empty must still meet the others'
-    // check, or they would wait for it.
-    check_same_module(params, bufs);
-    auto all = params;
-    all.insert(all.end(), bufs.begin(), bufs.end());
-    broadcast(all);
-    synced_params_ = params;
-    synced_kinds_ = std::move(kinds);
-    state_synced_ = true;
-    layout_.reset(); // made again at the next watch(), from these parameters
+  synced_params_ = params;
+  synced_sparse_ = sparse.empty() ? std::vector<bool>(params.size(), false) : sparse;
+  synced_kinds_ = std::move(kinds);
+  state_synced_ = true;
+  layout_.reset(); // made again at the next watch(), from these parameters
+}
+
+void ProcessGroupSync::before_forward(const torch::nn::Module& module, bool buffers) {
+  const auto params = unique(module.parameters());
+  if (!agreed(params)) {
+    std::unordered_set<const c10::TensorImpl*> sparse_weights;
+    for (const auto& m : module.modules()) {
+      if (const auto* e = m->as<torch::nn::Embedding>(); e != nullptr && e->options.sparse()) {
+        sparse_weights.insert(e->weight.unsafeGetTensorImpl());
+      } else if (const auto* b = m->as<torch::nn::EmbeddingBag>();
+                 b != nullptr && b->options.sparse()) {
+        sparse_weights.insert(b->weight.unsafeGetTensorImpl());
+      }
+    }
+    std::vector<bool> sparse;
+    sparse.reserve(params.size());
+    for (const auto& p : params) {
+      sparse.push_back(sparse_weights.count(p.unsafeGetTensorImpl()) > 0);
+    }
+    agree(params, module.buffers(), sparse);
   } else if (buffers) {
     broadcast(unique(module.buffers()));
   }
@@ -369,7 +428,7 @@ void ProcessGroupSync::check_same_module(const std::vector<at::Tensor>& params,
   }
   shapes << '|';
   for (const auto& b : buffers) {
-    shapes << b.sizes() << ':' << b.scalar_type() << ';';
+    shapes << b.sizes() << ':' << b.scalar_type() << ':' << b.requires_grad() << ';';
     buffer_numel += b.numel();
   }
   std::vector<int64_t> mine{static_cast<int64_t>(params.size()), param_numel,
@@ -410,6 +469,10 @@ void ProcessGroupSync::check_same_module(const std::vector<at::Tensor>& params,
 }
 
 void ProcessGroupSync::broadcast(const std::vector<at::Tensor>& tensors) {
+  if (group_->getSize() == 1) {
+    return;
+  }
+  at::NoGradGuard no_grad;
   std::map<std::tuple<c10::DeviceType, c10::DeviceIndex, c10::ScalarType>, std::vector<at::Tensor>>
       kinds;
   for (const auto& t : tensors) {
@@ -437,16 +500,17 @@ void ProcessGroupSync::broadcast(const std::vector<at::Tensor>& tensors) {
   }
 }
 
-std::shared_ptr<ProcessGroupSync::Layout> ProcessGroupSync::layout_of(
-    const torch::nn::Module& module, size_t bucket_bytes) {
-  // The parameters before_forward() last agreed on (no second walk of the module).
+std::shared_ptr<ProcessGroupSync::Layout> ProcessGroupSync::layout_of(size_t bucket_bytes) {
+  // The parameters agree() last took (no second walk of the module).
   if (layout_ && layout_->size == bucket_bytes) {
     return layout_;
   }
   std::vector<at::Tensor> params;
+  std::vector<bool> sparse;
   for (const auto i : c10::irange(synced_params_.size())) {
     if (std::get<0>(synced_kinds_[i])) { // requires_grad
       params.push_back(synced_params_[i]);
+      sparse.push_back(synced_sparse_[i]);
     }
   }
   auto layout = std::make_shared<Layout>();
@@ -457,22 +521,13 @@ std::shared_ptr<ProcessGroupSync::Layout> ProcessGroupSync::layout_of(
   for (const auto& p : layout->params) {
     layout->accumulators.push_back(torch::autograd::impl::gradient_edge(p));
   }
-  std::unordered_set<const c10::TensorImpl*> sparse_weights;
-  for (const auto& m : module.modules()) {
-    if (const auto* e = m->as<torch::nn::Embedding>(); e != nullptr && e->options.sparse()) {
-      sparse_weights.insert(e->weight.unsafeGetTensorImpl());
-    } else if (const auto* b = m->as<torch::nn::EmbeddingBag>();
-               b != nullptr && b->options.sparse()) {
-      sparse_weights.insert(b->weight.unsafeGetTensorImpl());
-    }
-  }
   // Reverse registration order, one open bucket per device and dtype, at most bucket_bytes each.
   std::map<std::tuple<c10::DeviceType, c10::DeviceIndex, c10::ScalarType>,
            std::pair<size_t, size_t>> // bucket index, bytes
       open;
   for (size_t k = layout->params.size(); k-- > 0;) {
     const auto& p = layout->params[k];
-    if (sparse_weights.count(p.unsafeGetTensorImpl()) > 0) {
+    if (sparse[k]) {
       layout->sparse.push_back(k);
       continue;
     }
@@ -491,8 +546,7 @@ std::shared_ptr<ProcessGroupSync::Layout> ProcessGroupSync::layout_of(
   return layout;
 }
 
-void ProcessGroupSync::watch(const torch::nn::Module& module,
-                             const std::vector<at::Tensor>& outputs, size_t bucket_bytes) {
+void ProcessGroupSync::watch(const std::vector<at::Tensor>& outputs, size_t bucket_bytes) {
   if (group_->getSize() == 1) {
     return;
   }
@@ -507,7 +561,7 @@ void ProcessGroupSync::watch(const torch::nn::Module& module,
   if (hooked.empty()) {
     return;
   }
-  auto layout = layout_of(module, bucket_bytes);
+  auto layout = layout_of(bucket_bytes);
   if (layout->params.empty()) {
     return;
   }

@@ -1,8 +1,10 @@
 #pragma once
 
-// Averaging gradients over the processes of a c10d process group: DataParallelOptions::
-// process_group (see Note [Reducing across processes] in process_group.cpp). Compiled when the
-// libtorch torchdp is built against ships the c10d headers (TORCHDP_WITH_C10D).
+// Averaging gradients over the processes of a c10d process group: the one engine behind
+// DataParallelOptions::process_group and Python's DataParallel(process_group=...) (see Note
+// [Reducing across processes] in process_group.cpp). It works on tensors and a group, never on a
+// module, as DDP's Reducer does: each front end walks its own module. Compiled when the libtorch
+// torchdp is built against ships the c10d headers (TORCHDP_WITH_C10D).
 
 #include <torchdp/config.h>
 
@@ -15,14 +17,13 @@
 
 #include <cstdint>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <tuple>
 #include <vector>
 
 namespace torchdp::detail {
 
-/// Keeps one DataParallel's module in step with the other processes of a group.
+/// Keeps one DataParallel's parameters and buffers in step with the other processes of a group.
 class ProcessGroupSync {
  public:
   ProcessGroupSync(c10::intrusive_ptr<c10d::ProcessGroup> group, std::string api);
@@ -31,36 +32,53 @@ class ProcessGroupSync {
     return group_;
   }
 
-  /// At the first call, and when the parameters changed: checks that every process wraps the
-  /// same parameters and buffers and takes group rank 0's values. Otherwise group rank 0's
-  /// buffers when `buffers`.
+  /// Whether `params` are the parameters the processes last agreed on (the same tensors, each
+  /// with the same requires_grad, dtype and device). Always true in a group of one.
+  bool agreed(const std::vector<at::Tensor>& params) const;
+
+  /// Checks that every process holds the same parameters and buffers (counts, shapes, dtypes,
+  /// requires_grad) and takes group rank 0's values; remembers `params` for watch().
+  /// `sparse[i]`: params[i] gets sparse gradients (a sparse embedding's weight), all-reduced as
+  /// sparse tensors; empty means none. Every process must call it at the same forward.
+  void agree(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& buffers,
+             const std::vector<bool>& sparse);
+
+  /// Copies group rank 0's values of `tensors` (the buffers) into every process's.
+  void broadcast(const std::vector<at::Tensor>& tensors);
+
+  /// The C++ module's forward: agree() when the module's parameters are not agreed(), else
+  /// broadcast() of its buffers when `buffers`. Sparse: Embedding/EmbeddingBag with sparse().
   void before_forward(const torch::nn::Module& module, bool buffers);
 
-  /// Hooks `outputs` (those that require grad) so that a backward pass through them ends with the
-  /// module's gradients averaged over the group. `bucket_bytes`: 0 gives one bucket per device
-  /// and dtype. Call after before_forward(), whose parameters it buckets.
-  void watch(const torch::nn::Module& module, const std::vector<at::Tensor>& outputs,
-             size_t bucket_bytes);
+  /// Hooks `outputs` (those that require grad and are not leaves) so that a backward pass through
+  /// them ends with the agreed parameters' gradients averaged over the group. `bucket_bytes`: 0
+  /// gives one bucket per device and dtype. Call after agree().
+  void watch(const std::vector<at::Tensor>& outputs, size_t bucket_bytes);
 
   /// The backward passes this object still remembers (their hooks ran, their end did not come
-  /// yet): at most kMaxPasses, the oldest dropped first.
+  /// yet): at most max_passes(), the oldest dropped first.
   size_t remembered_passes() const;
   static constexpr size_t kMaxPasses = 1024;
+  size_t max_passes() const;
+  void set_max_passes(size_t n);
+
+  /// How many reductions (one per backward pass that wrote a watched gradient) have run.
+  int64_t reductions() const;
 
   struct Layout;
   struct Passes;
 
  private:
-  std::shared_ptr<Layout> layout_of(const torch::nn::Module& module, size_t bucket_bytes);
+  std::shared_ptr<Layout> layout_of(size_t bucket_bytes);
   void check_same_module(const std::vector<at::Tensor>& params,
                          const std::vector<at::Tensor>& buffers);
-  void broadcast(const std::vector<at::Tensor>& tensors);
 
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   std::string api_;
   bool state_synced_ = false;
-  // The parameters that the processes last agreed on.
+  // The parameters that the processes last agreed on, and which of them get sparse gradients.
   std::vector<at::Tensor> synced_params_;
+  std::vector<bool> synced_sparse_;
   // Each one's requires_grad, dtype and device: a conversion (to(kDouble), to(device)) keeps the
   // parameters but gives them new AccumulateGrad nodes, which the layout must follow.
   std::vector<std::tuple<bool, c10::ScalarType, c10::Device>> synced_kinds_;

@@ -621,7 +621,7 @@ TEST_CASE("process_group: a pass's id is forgotten at its end; failed passes' af
     auto watched = [&](const at::Tensor& input) {
       sync.before_forward(*net, true);
       auto out = net->forward(input);
-      sync.watch(*net, {out}, 0);
+      sync.watch({out}, 0);
       return out;
     };
     watched(x).sum().backward(); // reduced
@@ -632,7 +632,7 @@ TEST_CASE("process_group: a pass's id is forgotten at its end; failed passes' af
     for (size_t i = 0; i < kFailed; ++i) {
       sync.before_forward(*net, false);
       auto out = FailsInBackward::apply(net->forward(x));
-      sync.watch(*net, {out}, 0);
+      sync.watch({out}, 0);
       try {
         out.sum().backward(); // out's hook runs, then the pass fails: no callback ends it
       } catch (const c10::Error&) {

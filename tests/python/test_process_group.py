@@ -213,29 +213,25 @@ def _scenarios(rank: int, devices: list[str] | None) -> dict:
     out["grad_of_input"] = gx.cpu()
 
     # A pass's id is forgotten at its end (also for torch.autograd.grad); a failed pass's, which
-    # no callback ends, once _MAX_PASSES newer passes came.
+    # no callback ends, once max_passes newer passes came.
     dp = _wrap(_MaybeFails(), devices, process_group=dist.group.WORLD)
-    sync = sys.modules["torchdp.data_parallel"]._SYNCS[dp]
+    engine = sys.modules["torchdp.data_parallel"]._SYNCS[dp].engine
     remembered = []
     dp(x).sum().backward()
-    remembered.append(len(sync._passes))
+    remembered.append(engine.remembered_passes)
     xi = x.clone().requires_grad_()
     torch.autograd.grad(dp(xi).sum(), xi)
-    remembered.append(len(sync._passes))
-    old_max = torchdp._process_group._MAX_PASSES
-    torchdp._process_group._MAX_PASSES = 4
-    try:
-        failures = 0
-        for _ in range(6):
-            try:
-                dp(x, fail=True).sum().backward()
-            except RuntimeError as exc:
-                failures += "fails on purpose" in str(exc)
-        remembered.append(len(sync._passes))
-        dp(x).sum().backward()
-        remembered.append(len(sync._passes))
-    finally:
-        torchdp._process_group._MAX_PASSES = old_max
+    remembered.append(engine.remembered_passes)
+    engine.max_passes = 4
+    failures = 0
+    for _ in range(6):
+        try:
+            dp(x, fail=True).sum().backward()
+        except RuntimeError as exc:
+            failures += "fails on purpose" in str(exc)
+    remembered.append(engine.remembered_passes)
+    dp(x).sum().backward()
+    remembered.append(engine.remembered_passes)
     out["remembered_passes"] = remembered
     out["failed_passes"] = failures
 
@@ -268,24 +264,13 @@ def _scenarios(rank: int, devices: list[str] | None) -> dict:
 
     # An output torch.utils._pytree cannot take apart (an unregistered dataclass): its tensors
     # are found all the same. Two forwards, one backward: one reduction.
-    calls = []
-    reduce = torchdp._process_group.ProcessGroupSync.reduce
-
-    def counting(self, layout):
-        calls.append(1)
-        return reduce(self, layout)
-
-    torchdp._process_group.ProcessGroupSync.reduce = counting
-    try:
-        # gather cannot take the dataclass apart either: per-replica outputs.
-        dp = _wrap(_DataclassOut(), devices, process_group=dist.group.WORLD, gather_output=False)
-        xr = torch.randn(4, 8, generator=torch.Generator().manual_seed(20 + rank)).to(dev)
-        loss = sum(o.value.sum() for o in dp(xr)) + sum(o.value.sum() for o in dp(xr * 2))
-        loss.backward()
-    finally:
-        torchdp._process_group.ProcessGroupSync.reduce = reduce
+    # gather cannot take the dataclass apart either: per-replica outputs.
+    dp = _wrap(_DataclassOut(), devices, process_group=dist.group.WORLD, gather_output=False)
+    xr = torch.randn(4, 8, generator=torch.Generator().manual_seed(20 + rank)).to(dev)
+    loss = sum(o.value.sum() for o in dp(xr)) + sum(o.value.sum() for o in dp(xr * 2))
+    loss.backward()
     out["dataclass_grad"] = dp.module.fc.weight.grad.cpu()
-    out["dataclass_reductions"] = len(calls)
+    out["dataclass_reductions"] = sys.modules["torchdp.data_parallel"]._SYNCS[dp].engine.reductions
     plain = _DataclassOut()
     (plain(xr.cpu()).value.sum() + plain(xr.cpu() * 2).value.sum()).backward()
     out["dataclass_local_grad"] = plain.fc.weight.grad
