@@ -56,6 +56,9 @@ void init_core(pybind11::module_& m);
 /// Python nn.Module replication (csrc/python/replicate_py.cpp): replicate, check_replica_devices.
 void init_replicate(pybind11::module_& m);
 
+/// DataParallel's checks of options and module (csrc/python/bind_data_parallel.cpp).
+void init_data_parallel(pybind11::module_& m);
+
 /// Gradient averaging across processes (csrc/python/bind_process_group.cpp): ProcessGroupSync,
 /// when torchdp is built with c10d.
 void init_process_group(pybind11::module_& m);

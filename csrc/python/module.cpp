@@ -1,5 +1,7 @@
 // The torchdp._C extension module: only the module definition; the bindings live in
-// bind_core.cpp (core) and replicate_py.cpp (nn.Module replication). See API.md for the interface.
+// bind_core.cpp (core), replicate_py.cpp (nn.Module replication), bind_data_parallel.cpp
+// (DataParallel's checks) and bind_process_group.cpp (gradient averaging across processes). See
+// API.md for the interface.
 
 #include "bindings.h"
 
@@ -20,6 +22,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   torchdp::python::init_core(m);
   torchdp::python::init_replicate(m);
+  torchdp::python::init_data_parallel(m);
   torchdp::python::init_process_group(m);
   torchdp::python::init_testing(m);
 }

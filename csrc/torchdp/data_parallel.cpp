@@ -13,6 +13,37 @@ constexpr const char* kApi = "torchdp::DataParallel";
 
 } // namespace
 
+namespace detail {
+
+void check_group_and_graphs(bool process_group, bool cuda_graphs, const char* api) {
+  TORCH_CHECK_VALUE(!process_group || !cuda_graphs, api,
+                    ": process_group cannot be combined with cuda_graphs (graphed replicas "
+                    "deliver their gradients outside the hooks that average them); drop one of "
+                    "the two");
+}
+
+void check_cuda_graphs(const std::vector<c10::Device>& devices, const char* api) {
+  // The devices first: they are what the caller can change on any build.
+  for (const auto& d : devices) {
+    TORCH_CHECK_VALUE(d.is_cuda(), api, ": cuda_graphs=True needs CUDA devices, got devices ",
+                      devices_to_string(devices), "; turn cuda_graphs off or use CUDA devices");
+  }
+  TORCH_CHECK(cuda_graphs_available(), api,
+              ": cuda_graphs needs torchdp built with its CUDA fast paths (TORCHDP_WITH_CUDA); "
+              "this build has none. Turn cuda_graphs off");
+}
+
+std::string misplaced_module_message(c10::Device target, const std::string& kind,
+                                     const std::string& name, c10::Device found,
+                                     const std::string& fix) {
+  // PyTorch's message first (code and tests match it), then the tensor and the fix.
+  return c10::str("module must have its parameters and buffers on device ", target,
+                  " (device_ids[0]) but found one of them on device: ", found, " (", kind, " '",
+                  name, "'). ", fix);
+}
+
+} // namespace detail
+
 void DataParallelImpl::init(std::shared_ptr<torch::nn::Module> module, Wrap wrap) {
   TORCH_CHECK(module != nullptr, kApi, ": the module to wrap is null");
   module_ = module;
@@ -35,13 +66,7 @@ void DataParallelImpl::init(std::shared_ptr<torch::nn::Module> module, Wrap wrap
     autograd::check_environment(/*bucket_size=*/!options.bucket_cap_mb());
   }
   if (options.cuda_graphs()) {
-    TORCH_CHECK(detail::cuda_graphs_available(), kApi,
-                ": cuda_graphs needs torchdp built with its CUDA fast paths (TORCHDP_WITH_CUDA); "
-                "this build has none. Turn cuda_graphs off");
-    for (const auto& d : device_ids_) {
-      TORCH_CHECK(d.is_cuda(), kApi, ": cuda_graphs needs CUDA devices, got device_ids=",
-                  devices_to_string(device_ids_), "; turn cuda_graphs off or use CUDA devices");
-    }
+    detail::check_cuda_graphs(device_ids_, kApi);
   }
   if (options.output_device()) {
     TORCH_CHECK(!device_ids_.empty(), kApi, ": output_device ", *options.output_device(),
@@ -107,13 +132,15 @@ std::vector<at::Tensor> DataParallelImpl::ensure_placement() {
     return module_->buffers();
   }
   const auto bad = detail::find_misplaced(*module_, target);
-  TORCH_CHECK(!bad, kApi, ": module must have its parameters and buffers on device ", target,
-              " (device_ids[0]) but found one of them on device: ", bad->device, " (", bad->kind,
-              " '", bad->name,
-              "'). Move the module there before the forward, e.g. module->to(torch::Device(\"",
-              target,
-              "\")), or construct DataParallel with "
-              "DataParallelOptions().place_module(true) to let it move the module itself");
+  TORCH_CHECK(!bad, kApi, ": ",
+              detail::misplaced_module_message(
+                  target, bad->kind, bad->name, bad->device,
+                  c10::str("Move the module there before the forward, e.g. "
+                           "module->to(torch::Device(\"",
+                           target,
+                           "\")), or construct DataParallel with "
+                           "DataParallelOptions().place_module(true) to let it move the module "
+                           "itself")));
   return buffers; // not reached: find_misplaced sees what the loops above saw
 }
 
@@ -134,9 +161,7 @@ std::vector<at::Tensor> DataParallelImpl::run(std::vector<at::Tensor> inputs, co
 #if TORCHDP_WITH_C10D
   const auto& group = options.process_group();
   // A conflict of options is reported before anything about the module (its placement).
-  TORCH_CHECK(!group || !options.cuda_graphs(), kApi,
-              ": options.process_group cannot be combined with cuda_graphs (graphed replicas "
-              "deliver their gradients outside the hooks that average them); drop one of the two");
+  detail::check_group_and_graphs(static_cast<bool>(group), options.cuda_graphs(), kApi);
 #endif
   // The module's buffers, once it is on device_ids[0] (none when passing through).
   const auto originals = device_ids_.empty() ? std::vector<at::Tensor>() : ensure_placement();

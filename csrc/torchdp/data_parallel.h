@@ -17,6 +17,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -90,6 +91,21 @@ struct TensorForward : torch::nn::Module {
   }
   std::shared_ptr<Impl> impl_;
 };
+
+// The checks of DataParallel's options and module, made once here for both front ends: the C++
+// DataParallelImpl and the Python wrapper (torchdp/data_parallel.py, through torchdp._C).
+
+/// A process group and CUDA graphs together are refused (c10::ValueError).
+void check_group_and_graphs(bool process_group, bool cuda_graphs, const char* api);
+
+/// CUDA graphs need CUDA devices (c10::ValueError) and a build with the CUDA fast paths.
+void check_cuda_graphs(const std::vector<c10::Device>& devices, const char* api);
+
+/// The error for a module that is not on device_ids[0]: its `kind` ("parameter" or "buffer")
+/// `name` was found on `found`; `fix` (the front end's words) ends it.
+std::string misplaced_module_message(c10::Device target, const std::string& kind,
+                                     const std::string& name, c10::Device found,
+                                     const std::string& fix);
 
 } // namespace detail
 

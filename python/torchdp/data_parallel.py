@@ -191,14 +191,6 @@ def _resolve_explicit(
     return device_list, output
 
 
-def _check_graphs_and_group(cuda_graphs: int, api: str) -> None:
-    if cuda_graphs:
-        raise ValueError(
-            f"{api}: process_group cannot be combined with cuda_graphs=True (graphed replicas "
-            "deliver their gradients outside the hooks that average them); drop one of the two"
-        )
-
-
 def _check_cuda_graphs(cuda_graphs: Any) -> int:
     """0 (off) or the number of input signatures to capture (True: MAX_SIGNATURES)."""
     if cuda_graphs is True:
@@ -280,12 +272,7 @@ def _device_error(
         )
     else:
         fix = f"call module.to({target}) before data_parallel()"
-    # PyTorch's message first (tests match it), then what torchdp adds.
-    return RuntimeError(
-        "module must have its parameters and buffers "
-        f"on device {src_device} (device_ids[0]) but found one of "
-        f"them on device: {device} ({kind} '{name}'). Fix: {fix}."
-    )
+    return RuntimeError(_C.misplaced_module_message(src_device, kind, name, device, f"Fix: {fix}."))
 
 
 _warned_ignored_device_ids = False
@@ -394,7 +381,7 @@ class DataParallel(_TorchDataParallel[T]):
             gradient in every process keeps ``None``, as with DDP). Every process must run the
             same forwards and backward passes. Not with ``cuda_graphs``; the group
             is not copied or pickled with the wrapper. See Note [Reducing across processes] in
-            ``torchdp/_process_group.py``. Default: ``None``.
+            ``csrc/torchdp/process_group.cpp``. Default: ``None``.
         broadcast_buffers (bool, keyword-only): with a :attr:`process_group`, every forward with
             grad mode on (outside :meth:`no_sync`) first copies group rank 0's buffers to the
             other processes, as in ``DistributedDataParallel``. Default: ``True``.
@@ -472,11 +459,8 @@ class DataParallel(_TorchDataParallel[T]):
             self.src_device_obj = device_list[0]
             if all(d.type == "cuda" for d in device_list) and torch.cuda.is_available():
                 _check_balance([operator.index(d.index) for d in device_list])
-            if self.cuda_graphs and any(d.type != "cuda" for d in device_list):
-                raise ValueError(
-                    "torchdp.DataParallel: cuda_graphs=True needs CUDA devices, got devices="
-                    f"{[str(d) for d in device_list]}; drop cuda_graphs or use CUDA devices"
-                )
+            if self.cuda_graphs:
+                _C.check_cuda_graphs(device_list, "torchdp.DataParallel")
             if len(device_list) == 1:
                 self.module.to(self.src_device_obj)
             return
@@ -530,7 +514,7 @@ class DataParallel(_TorchDataParallel[T]):
         if group is None:
             _SYNCS.pop(self, None)
             return
-        _check_graphs_and_group(self.cuda_graphs, api)
+        _C.check_group_and_graphs(True, bool(self.cuda_graphs), api)
         _SYNCS[self] = ProcessGroupSync(group, api)
 
     @contextlib.contextmanager
@@ -561,7 +545,7 @@ class DataParallel(_TorchDataParallel[T]):
             sync = _SYNCS.get(self)
             if sync is not None:
                 # A conflict of options comes before anything about the module (its placement).
-                _check_graphs_and_group(self.cuda_graphs, api)
+                _C.check_group_and_graphs(True, bool(self.cuda_graphs), api)
             if self.device_ids:
                 self._check_or_place_module()
             if sync is None:

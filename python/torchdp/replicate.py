@@ -25,7 +25,6 @@ runs, in order:
 
 from __future__ import annotations
 
-import math
 import threading
 from collections.abc import Sequence
 from typing import TypeVar, cast
@@ -43,7 +42,6 @@ __all__ = ["replicate"]
 T = TypeVar("T", bound=nn.Module)
 
 _API = "torchdp.replicate"
-_MAX_BUCKET_BYTES = 1 << 62
 
 
 class CallbackContext:
@@ -139,19 +137,14 @@ def _bucket_bytes(bucket_cap_mb: float | None, api: str) -> int | None:
     """Bytes of a gradient bucket size given in MiB (None: the default), checked."""
     if bucket_cap_mb is None:
         return None
-    if (
-        isinstance(bucket_cap_mb, bool)
-        or not isinstance(bucket_cap_mb, (int, float))
-        or not math.isfinite(bucket_cap_mb)
-        or bucket_cap_mb < 0
-    ):
+    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)):
         raise ValueError(
             f"{api}: bucket_cap_mb must be a non-negative number of MiB (0: one bucket, reduced "
             f"after the whole backward pass), got {bucket_cap_mb!r}"
         )
-    # Sizes beyond any device's memory mean "one bucket that starts after the first 1 MiB"; kept
-    # within int64 for the C++ side.
-    return int(min(bucket_cap_mb * 1024 * 1024, float(_MAX_BUCKET_BYTES)))
+    # The range check and the conversion are the C++ DataParallel's (sizes beyond any device's
+    # memory are clamped, within int64).
+    return _C.bucket_bytes_from_mib(float(bucket_cap_mb), api)
 
 
 def replicate(
