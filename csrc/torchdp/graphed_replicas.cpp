@@ -1,5 +1,5 @@
 #include <torchdp/config.h>
-#include <torchdp/cuda/graphed_replicas.h>
+#include <torchdp/graphed_replicas.h>
 
 #include <c10/util/Exception.h>
 
