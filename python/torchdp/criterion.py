@@ -21,7 +21,8 @@ from torch.nn import functional as F
 from torchdp import _C
 from torchdp.parallel_apply import get_a_var
 from torchdp.replicate import replicate
-from torchdp.scatter_gather import DeviceLike, _check_dim, _to_device, gather, scatter_kwargs
+from torchdp._devices import DeviceLike, _check_dim, _to_device
+from torchdp.scatter_gather import gather, scatter_kwargs
 
 __all__ = ["DataParallelCriterion"]
 

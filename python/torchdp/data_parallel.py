@@ -7,10 +7,8 @@ import contextlib
 import importlib
 import operator
 import sys
-import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from itertools import chain
 from typing import Any, TypeVar
 
 import torch
@@ -19,11 +17,19 @@ from torch._utils import (
     _get_all_device_indices,
     _get_available_device_type,
     _get_device_index,
-    _get_devices_properties,
 )
 
 from torchdp import _C
 from torchdp._attributes import check_stale_attribute_policy
+from torchdp._devices import (
+    DeviceLike,
+    _check_balance,
+    _check_device_ids,
+    _check_dim,
+    _check_module_device,
+    _device_error,
+    _resolve_explicit,
+)
 from torchdp._graphs import MAX_SIGNATURES, GraphedReplicas
 from torchdp._process_group import ProcessGroupSync, check_process_group
 from torchdp.parallel_apply import parallel_apply
@@ -35,14 +41,7 @@ from torchdp.replicate import (
     _replicate,
     replicate,
 )
-from torchdp.scatter_gather import (
-    DeviceLike,
-    _check_dim,
-    _to_device,
-    _to_devices,
-    gather,
-    scatter_kwargs,
-)
+from torchdp.scatter_gather import gather, scatter_kwargs
 
 __all__ = ["DataParallel", "data_parallel"]
 
@@ -53,45 +52,6 @@ T = TypeVar("T", bound=nn.Module)
 # function, which shadows the submodule), so isinstance(dp, torch.nn.DataParallel) holds with
 # or without the patch.
 _TorchDataParallel = importlib.import_module("torch.nn.parallel.data_parallel").DataParallel
-
-_IMBALANCE_WARNING = """
-    There is an imbalance between your GPUs. You may want to exclude GPU {} which
-    has less than 75% of the memory or cores of GPU {}. You can do so by setting
-    the device_ids argument to DataParallel, or by setting the CUDA_VISIBLE_DEVICES
-    environment variable."""
-
-
-def _check_balance(device_ids: Sequence[int]) -> None:
-    """Warns (once) when a GPU has less than 75% of the memory, or else of the SMs, of another."""
-    properties = _get_devices_properties(list(device_ids))
-    for attribute in ("total_memory", "multi_processor_count"):
-        values = [getattr(p, attribute) for p in properties]
-        low = min(range(len(values)), key=values.__getitem__)
-        high = max(range(len(values)), key=values.__getitem__)
-        if values[low] / values[high] < 0.75:
-            warnings.warn(
-                _IMBALANCE_WARNING.format(device_ids[low], device_ids[high]), stacklevel=3
-            )
-            return
-
-
-def _check_device_ids(device_ids: Sequence[int], output_device: int, api: str) -> None:
-    """CUDA device ids (and an output device other than -1, the CPU) that this process cannot use
-    fail here with torchdp's message, not in PyTorch's device-properties assertion or at the
-    first forward's gather."""
-    checked = [("device_ids", list(device_ids))]
-    if output_device != -1:
-        checked.append(("output_device", [output_device]))
-    for name, ids in checked:
-        bad = [i for i in ids if i < 0]
-        if bad:
-            raise ValueError(
-                f"{api}: {name} must hold CUDA device indices >= 0"
-                + (" (or -1 for the CPU)" if name == "output_device" else "")
-                + f", got {bad[0]}"
-            )
-    for name, ids in checked:
-        _C.normalize_devices([torch.device("cuda", i) for i in ids], f"{api} ({name})")
 
 
 def _check_kwargs_chunks(inputs: Sequence[Any], kwargs: Sequence[Any], dim: int) -> None:
@@ -154,43 +114,6 @@ def _check_short_inputs(
     )
 
 
-def _output_device_of(output_device: Any, api: str) -> torch.device:
-    """The output device of an explicit ``devices=`` list: the CPU is allowed ('cpu' or -1)."""
-    if (
-        isinstance(output_device, int)
-        and not isinstance(output_device, bool)
-        and (output_device == -1)
-    ):
-        return torch.device("cpu")
-    return _to_device(output_device, api)
-
-
-def _explicit_devices(devices: Sequence[DeviceLike], api: str) -> list[torch.device]:
-    device_list = _to_devices(devices, api)
-    if not device_list:
-        raise ValueError(f"{api}: devices= must name at least one device, got an empty list")
-    return device_list
-
-
-def _resolve_explicit(
-    devices: Sequence[DeviceLike], device_ids: Any, output_device: Any, api: str
-) -> tuple[list[torch.device], Any]:
-    """The keyword-only ``devices=`` path: (device list, output device); rejects ``device_ids``
-    given as well."""
-    if device_ids is not None:
-        raise ValueError(
-            f"{api}: pass either device_ids= or devices=, not both "
-            f"(got device_ids={device_ids!r} and devices={devices!r})"
-        )
-    device_list = _explicit_devices(devices, api)
-    output = device_list[0] if output_device is None else _output_device_of(output_device, api)
-    # CUDA devices that this process cannot use fail here, not at the first forward.
-    _C.normalize_devices(device_list, api)
-    _C.normalize_devices([output], f"{api} (output_device)")
-    _C.check_output_device(device_list, output, api)
-    return device_list, output
-
-
 def _check_cuda_graphs(cuda_graphs: Any) -> int:
     """0 (off) or the number of input signatures to capture (True: MAX_SIGNATURES)."""
     if cuda_graphs is True:
@@ -228,6 +151,10 @@ _FUNCTIONAL_CACHES: weakref.WeakKeyDictionary[nn.Module, _C.ReplicaCache] = (
 V = TypeVar("V")
 
 
+def _unchanged(outputs: V) -> V:
+    return outputs
+
+
 def _weak_entry(
     table: weakref.WeakKeyDictionary[nn.Module, V], key: nn.Module, make: Callable[[], V] | None
 ) -> V | None:
@@ -240,39 +167,6 @@ def _weak_entry(
         return value
     except TypeError:
         return None
-
-
-def _check_module_device(
-    module: nn.Module, src_device: torch.device
-) -> tuple[str, str, torch.device] | None:
-    """The first parameter or buffer not on ``src_device``, as (kind, qualified name, device)."""
-    if _C.all_on_device(module, src_device):  # a dictionary walk in C++: the per-forward path
-        return None
-    t = next(t for t in chain(module.parameters(), module.buffers()) if t.device != src_device)
-    # Only on failure: find the qualified name of the first offending tensor.
-    for name, p in module.named_parameters(remove_duplicate=False):
-        if p.device != src_device:
-            return "parameter", name, p.device
-    for name, b in module.named_buffers(remove_duplicate=False):
-        if b.device != src_device:
-            return "buffer", name, b.device
-    return "tensor", "?", t.device  # pragma: no cover - both walks see the same tensors
-
-
-def _device_error(
-    src_device: torch.device, found: tuple[str, str, torch.device], wrapper: bool
-) -> RuntimeError:
-    kind, name, device = found
-    target = repr(str(src_device))
-    if wrapper:
-        fix = (
-            f"call model.to({target}) (or .to({target}) on the DataParallel wrapper) before the "
-            "forward, or pass place_module=True to torchdp.DataParallel to have it moved at the "
-            "first forward"
-        )
-    else:
-        fix = f"call module.to({target}) before data_parallel()"
-    return RuntimeError(_C.misplaced_module_message(src_device, kind, name, device, f"Fix: {fix}."))
 
 
 _warned_ignored_device_ids = False
@@ -541,58 +435,29 @@ class DataParallel(_TorchDataParallel[T]):
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         with torch.autograd.profiler.record_function("DataParallel.forward"):
-            api = "torchdp.DataParallel"
-            sync = _SYNCS.get(self)
-            if sync is not None:
-                # A conflict of options comes before anything about the module (its placement).
-                _C.check_group_and_graphs(True, bool(self.cuda_graphs), api)
-            if self.device_ids:
-                self._check_or_place_module()
-            if sync is None:
-                return self._forward(inputs, kwargs)
-            # The module is on its device by now: the state is synchronised where it will run.
-            grad_sync = torch.is_grad_enabled() and self.require_backward_grad_sync
-            # Checked before the module runs (a bad value leaves its buffers as they were).
-            bucket_bytes = _bucket_bytes(self.bucket_cap_mb, api) if grad_sync else None
-            sync.before_forward(self.module, grad_sync and self.broadcast_buffers)
-            outputs = self._forward(inputs, kwargs)
-            if grad_sync:
-                sync.watch(self.module, outputs, bucket_bytes)
-            return outputs
-
-    def _forward(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if not self.device_ids:
-            output = self.module(*inputs, **kwargs)
-            return output if self.gather_output else [output]
-        api = "torchdp.DataParallel"
-        if len(self.device_ids) > 1:
-            _C.check_forward_context(api)  # before anything runs: the module stays as it was
-        raw_inputs, raw_kwargs = inputs, kwargs
-
-        inputs, module_kwargs = self.scatter(inputs, kwargs, self.device_ids)
-        # An overridden scatter may say "no keyword arguments" with None (as parallel_apply).
-        if module_kwargs is None:
-            module_kwargs = tuple({} for _ in inputs)
-        # A forward without arguments runs once, on device_ids[0].
-        if not inputs and not module_kwargs:
-            inputs = ((),)
-            module_kwargs = ({},)
-
-        outputs = None
-        if self.cuda_graphs:
-            outputs = self._graphed_outputs(inputs, module_kwargs)
-            if outputs is not None and len(self.device_ids) == 1:
-                return outputs[0] if self.gather_output else outputs
-        if outputs is None:
+            watch = self._before_forward()
+            if not self.device_ids:
+                return watch(self._one_output(self.module(*inputs, **kwargs)))
+            if len(self.device_ids) > 1:
+                # Before anything runs: the module stays as it was.
+                _C.check_forward_context("torchdp.DataParallel")
+            raw_inputs, raw_kwargs = inputs, kwargs
+            inputs, module_kwargs = self._scatter_arguments(inputs, kwargs)
+            if self.cuda_graphs:
+                outputs = self._graphed_outputs(inputs, module_kwargs)
+                if outputs is not None:
+                    if len(self.device_ids) == 1:
+                        return watch(self._one_output(outputs[0]))
+                    return watch(self._gathered(outputs))
             if len(self.device_ids) == 1:
-                output = self.module(*inputs[0], **module_kwargs[0])
-                return output if self.gather_output else [output]
+                return watch(self._one_output(self.module(*inputs[0], **module_kwargs[0])))
             _check_kwargs_chunks(inputs, module_kwargs, self.dim)
             _check_short_inputs(
-                raw_inputs, raw_kwargs, len(inputs), len(self.device_ids), self.dim, api
+                raw_inputs, raw_kwargs, len(inputs), len(self.device_ids), self.dim,
+                "torchdp.DataParallel",
             )
-            # Note [Buffers of failed forwards]: replica 0 updates the module's buffers in
-            # place; a failure anywhere from here to the gather writes them back.
+            # Note [Buffers of failed forwards]: replica 0 updates the module's buffers in place;
+            # a failure anywhere from here to the gather writes them back.
             buffers = None
             _expect_buffer_snapshot(self.module)
             try:
@@ -609,9 +474,7 @@ class DataParallel(_TorchDataParallel[T]):
                     cache = _weak_entry(_REPLICA_CACHES, self, None)
                     if cache is not None:
                         cache.park()
-                if not self.gather_output:
-                    return list(outputs)
-                return self.gather(outputs, self.output_device)
+                gathered = self._gathered(outputs)
             except BaseException:
                 if buffers is not None:
                     buffers.restore()
@@ -619,6 +482,53 @@ class DataParallel(_TorchDataParallel[T]):
             finally:
                 if buffers is not None:
                     buffers.release()
+            return watch(gathered)
+
+    def _before_forward(self) -> Callable[[Any], Any]:
+        """The checks of a forward (options, then the module's placement) and the process group's
+        part before the module runs; returns what the outputs go through (the group's hooks)."""
+        api = "torchdp.DataParallel"
+        sync = _SYNCS.get(self)
+        if sync is not None:
+            # A conflict of options comes before anything about the module (its placement).
+            _C.check_group_and_graphs(True, bool(self.cuda_graphs), api)
+        if self.device_ids:
+            self._check_or_place_module()
+        if sync is None:
+            return _unchanged
+        # The module is on its device by now: the state is synchronised where it will run.
+        grad_sync = torch.is_grad_enabled() and self.require_backward_grad_sync
+        # Checked before the module runs (a bad value leaves its buffers as they were).
+        bucket_bytes = _bucket_bytes(self.bucket_cap_mb, api) if grad_sync else None
+        sync.before_forward(self.module, grad_sync and self.broadcast_buffers)
+        if not grad_sync:
+            return _unchanged
+
+        def watch(outputs: Any) -> Any:
+            sync.watch(self.module, outputs, bucket_bytes)
+            return outputs
+
+        return watch
+
+    def _scatter_arguments(
+        self, inputs: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[Sequence[Any], Sequence[Any]]:
+        """:meth:`scatter`'s chunks; a forward without arguments runs once, on device_ids[0]."""
+        inputs, module_kwargs = self.scatter(inputs, kwargs, self.device_ids)
+        # An overridden scatter may say "no keyword arguments" with None (as parallel_apply).
+        if module_kwargs is None:
+            module_kwargs = tuple({} for _ in inputs)
+        if not inputs and not module_kwargs:
+            return ((),), ({},)
+        return inputs, module_kwargs
+
+    def _one_output(self, output: Any) -> Any:
+        """The output of a forward that ran once, where the module put it (as PyTorch)."""
+        return output if self.gather_output else [output]
+
+    def _gathered(self, outputs: Sequence[Any]) -> Any:
+        """The replicas' outputs gathered on :attr:`output_device` (a list of them, each where
+        it is, with ``gather_output=False``)."""
         if not self.gather_output:
             return list(outputs)
         return self.gather(outputs, self.output_device)

@@ -18,7 +18,7 @@ from torch import nn
 from torch._utils import ExceptionWrapper
 
 from torchdp import _C
-from torchdp.scatter_gather import DeviceLike, _device_label, _to_device
+from torchdp._devices import DeviceLike, _device_label, _to_device
 
 __all__ = ["get_a_var", "parallel_apply"]
 

@@ -35,7 +35,7 @@ from torch import nn
 from torchdp import _C
 from torchdp._attributes import check_stale_attribute_policy, fix_stale_attributes
 from torchdp.hooks import ReplicaContext, _has_hooks, _hooks_for
-from torchdp.scatter_gather import DeviceLike, _to_devices
+from torchdp._devices import DeviceLike, _to_devices
 
 __all__ = ["replicate"]
 

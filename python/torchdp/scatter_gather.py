@@ -3,8 +3,6 @@
 Tensors travel through ``torchdp._C.scatter`` / ``torchdp._C.gather``, which are differentiable C++
 autograd nodes that also work on CPU and meta device lists. The structure around them (tuples,
 lists, dicts, named tuples, anything else by reference) is handled here with PyTorch's rules.
-
-This module also holds the small device helpers the other modules of the package share.
 """
 
 from __future__ import annotations
@@ -13,7 +11,6 @@ import cmath
 import collections
 import copy
 import enum
-import operator
 import warnings
 from collections.abc import Sequence
 from typing import Any, TypeVar, overload
@@ -22,95 +19,9 @@ import torch
 from torch.utils import _pytree
 
 from torchdp import _C
+from torchdp._devices import DeviceLike, _check_dim, _to_device, _to_devices
 
 __all__ = ["scatter", "scatter_kwargs", "gather"]
-
-DeviceLike = int | str | torch.device
-
-# ---------------------------------------------------------------------------------------------
-# Device helpers (internal)
-# ---------------------------------------------------------------------------------------------
-
-_INDEXLESS_TYPES = ("cpu", "meta")
-
-
-def _current_cuda_device(api: str) -> torch.device:
-    if not torch.cuda.is_available():
-        raise RuntimeError(
-            f"{api}: a CUDA device without an index (or None) means the current CUDA device, "
-            "but CUDA is not available; pass an explicit device such as torch.device('cpu')"
-        )
-    return torch.device("cuda", torch.cuda.current_device())
-
-
-def _to_device(device: Any, api: str) -> torch.device:
-    """Converts one entry of a device list to a canonical ``torch.device``.
-
-    ints are CUDA indices (as in ``torch.nn.DataParallel``), strings are parsed by
-    ``torch.device``, ``cpu:0``/``meta:0`` lose their index (tensors report ``cpu``/``meta``), and a
-    CUDA device without an index (or ``None``) is the current CUDA device.
-    """
-    if device is None:
-        return _current_cuda_device(api)
-    if isinstance(device, str):
-        try:
-            device = torch.device(device)
-        except RuntimeError as e:  # RuntimeError, as torch.device (and so torch.nn.parallel) raises
-            raise RuntimeError(
-                f"{api}: {device!r} is not a device: {e}; use e.g. 'cuda:0', 'cpu' or an int "
-                "CUDA index"
-            ) from e
-    if isinstance(device, torch.device):
-        if device.type in _INDEXLESS_TYPES:
-            return torch.device(device.type)
-        if device.type == "cuda" and device.index is None:
-            return _current_cuda_device(api)
-        return device
-    if isinstance(device, bool):
-        raise TypeError(f"{api}: expected a device (int, str or torch.device), got {device!r}")
-    try:
-        index = operator.index(device)
-    except TypeError:
-        raise TypeError(
-            f"{api}: expected a device (int, str or torch.device), got "
-            f"{type(device).__qualname__} {device!r}"
-        ) from None
-    if index < 0:
-        raise ValueError(
-            f"{api}: device index {index} is negative; use a CUDA index >= 0, or "
-            "torch.device('cpu') for the CPU"
-        )
-    return torch.device("cuda", index)
-
-
-def _to_devices(devices: Sequence[Any], api: str) -> list[torch.device]:
-    """Converts a device list with :func:`_to_device`; repeated devices are kept."""
-    if isinstance(devices, (str, torch.device, int)):
-        raise TypeError(
-            f"{api}: expected a list of devices, got a single device {devices!r}; "
-            f"wrap it in a list: [{devices!r}]"
-        )
-    return [_to_device(d, api) for d in devices]
-
-
-def _check_dim(dim: Any, api: str) -> int:
-    """``dim`` as an int (numpy and other integer types accepted), or a TypeError naming ``api``."""
-    if not isinstance(dim, bool):
-        try:
-            return operator.index(dim)
-        except TypeError:
-            pass
-    raise TypeError(
-        f"{api}: dim must be an int (the batch dimension), got {type(dim).__qualname__} {dim!r}"
-    )
-
-
-def _device_label(device: torch.device) -> int | str:
-    """How ``torch.nn.parallel`` prints a device in messages: the index for CUDA devices."""
-    if device.type == "cuda" and device.index is not None:
-        return device.index
-    return str(device)
-
 
 # ---------------------------------------------------------------------------------------------
 # Structure helpers

@@ -113,7 +113,7 @@ def test_check_balance_warns_once(monkeypatch):
         types.SimpleNamespace(total_memory=100, multi_processor_count=10),
         types.SimpleNamespace(total_memory=50, multi_processor_count=5),
     ]
-    monkeypatch.setattr(dp_module, "_get_devices_properties", lambda ids: props)
+    monkeypatch.setattr(torchdp._devices, "_get_devices_properties", lambda ids: props)
     with pytest.warns(
         UserWarning,
         match=r"There is an imbalance between your GPUs. You may want "

@@ -1,0 +1,209 @@
+"""Device helpers of the Python layer: device lists and their checks (normalising ints, strings
+and ``torch.device``; ``devices=`` and ``device_ids=``), the batch dimension, and where the wrapped
+module must be. scatter/gather, replicate, parallel_apply and DataParallel share them."""
+
+from __future__ import annotations
+
+import operator
+import warnings
+from collections.abc import Sequence
+from itertools import chain
+from typing import Any
+
+import torch
+from torch import nn
+from torch._utils import _get_devices_properties
+
+from torchdp import _C
+
+DeviceLike = int | str | torch.device
+
+_INDEXLESS_TYPES = ("cpu", "meta")
+
+
+def _current_cuda_device(api: str) -> torch.device:
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            f"{api}: a CUDA device without an index (or None) means the current CUDA device, "
+            "but CUDA is not available; pass an explicit device such as torch.device('cpu')"
+        )
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _to_device(device: Any, api: str) -> torch.device:
+    """Converts one entry of a device list to a canonical ``torch.device``.
+
+    ints are CUDA indices (as in ``torch.nn.DataParallel``), strings are parsed by
+    ``torch.device``, ``cpu:0``/``meta:0`` lose their index (tensors report ``cpu``/``meta``), and a
+    CUDA device without an index (or ``None``) is the current CUDA device.
+    """
+    if device is None:
+        return _current_cuda_device(api)
+    if isinstance(device, str):
+        try:
+            device = torch.device(device)
+        except RuntimeError as e:  # RuntimeError, as torch.device (and so torch.nn.parallel) raises
+            raise RuntimeError(
+                f"{api}: {device!r} is not a device: {e}; use e.g. 'cuda:0', 'cpu' or an int "
+                "CUDA index"
+            ) from e
+    if isinstance(device, torch.device):
+        if device.type in _INDEXLESS_TYPES:
+            return torch.device(device.type)
+        if device.type == "cuda" and device.index is None:
+            return _current_cuda_device(api)
+        return device
+    if isinstance(device, bool):
+        raise TypeError(f"{api}: expected a device (int, str or torch.device), got {device!r}")
+    try:
+        index = operator.index(device)
+    except TypeError:
+        raise TypeError(
+            f"{api}: expected a device (int, str or torch.device), got "
+            f"{type(device).__qualname__} {device!r}"
+        ) from None
+    if index < 0:
+        raise ValueError(
+            f"{api}: device index {index} is negative; use a CUDA index >= 0, or "
+            "torch.device('cpu') for the CPU"
+        )
+    return torch.device("cuda", index)
+
+
+def _to_devices(devices: Sequence[Any], api: str) -> list[torch.device]:
+    """Converts a device list with :func:`_to_device`; repeated devices are kept."""
+    if isinstance(devices, (str, torch.device, int)):
+        raise TypeError(
+            f"{api}: expected a list of devices, got a single device {devices!r}; "
+            f"wrap it in a list: [{devices!r}]"
+        )
+    return [_to_device(d, api) for d in devices]
+
+
+def _check_dim(dim: Any, api: str) -> int:
+    """``dim`` as an int (numpy and other integer types accepted), or a TypeError naming ``api``."""
+    if not isinstance(dim, bool):
+        try:
+            return operator.index(dim)
+        except TypeError:
+            pass
+    raise TypeError(
+        f"{api}: dim must be an int (the batch dimension), got {type(dim).__qualname__} {dim!r}"
+    )
+
+
+def _device_label(device: torch.device) -> int | str:
+    """How ``torch.nn.parallel`` prints a device in messages: the index for CUDA devices."""
+    if device.type == "cuda" and device.index is not None:
+        return device.index
+    return str(device)
+
+
+_IMBALANCE_WARNING = """
+    There is an imbalance between your GPUs. You may want to exclude GPU {} which
+    has less than 75% of the memory or cores of GPU {}. You can do so by setting
+    the device_ids argument to DataParallel, or by setting the CUDA_VISIBLE_DEVICES
+    environment variable."""
+
+
+def _check_balance(device_ids: Sequence[int]) -> None:
+    """Warns (once) when a GPU has less than 75% of the memory, or else of the SMs, of another."""
+    properties = _get_devices_properties(list(device_ids))
+    for attribute in ("total_memory", "multi_processor_count"):
+        values = [getattr(p, attribute) for p in properties]
+        low = min(range(len(values)), key=values.__getitem__)
+        high = max(range(len(values)), key=values.__getitem__)
+        if values[low] / values[high] < 0.75:
+            warnings.warn(
+                _IMBALANCE_WARNING.format(device_ids[low], device_ids[high]), stacklevel=3
+            )
+            return
+
+
+def _check_device_ids(device_ids: Sequence[int], output_device: int, api: str) -> None:
+    """CUDA device ids (and an output device other than -1, the CPU) that this process cannot use
+    fail here with torchdp's message, not in PyTorch's device-properties assertion or at the
+    first forward's gather."""
+    checked = [("device_ids", list(device_ids))]
+    if output_device != -1:
+        checked.append(("output_device", [output_device]))
+    for name, ids in checked:
+        bad = [i for i in ids if i < 0]
+        if bad:
+            raise ValueError(
+                f"{api}: {name} must hold CUDA device indices >= 0"
+                + (" (or -1 for the CPU)" if name == "output_device" else "")
+                + f", got {bad[0]}"
+            )
+    for name, ids in checked:
+        _C.normalize_devices([torch.device("cuda", i) for i in ids], f"{api} ({name})")
+
+
+def _output_device_of(output_device: Any, api: str) -> torch.device:
+    """The output device of an explicit ``devices=`` list: the CPU is allowed ('cpu' or -1)."""
+    if (
+        isinstance(output_device, int)
+        and not isinstance(output_device, bool)
+        and (output_device == -1)
+    ):
+        return torch.device("cpu")
+    return _to_device(output_device, api)
+
+
+def _explicit_devices(devices: Sequence[DeviceLike], api: str) -> list[torch.device]:
+    device_list = _to_devices(devices, api)
+    if not device_list:
+        raise ValueError(f"{api}: devices= must name at least one device, got an empty list")
+    return device_list
+
+
+def _resolve_explicit(
+    devices: Sequence[DeviceLike], device_ids: Any, output_device: Any, api: str
+) -> tuple[list[torch.device], Any]:
+    """The keyword-only ``devices=`` path: (device list, output device); rejects ``device_ids``
+    given as well."""
+    if device_ids is not None:
+        raise ValueError(
+            f"{api}: pass either device_ids= or devices=, not both "
+            f"(got device_ids={device_ids!r} and devices={devices!r})"
+        )
+    device_list = _explicit_devices(devices, api)
+    output = device_list[0] if output_device is None else _output_device_of(output_device, api)
+    # CUDA devices that this process cannot use fail here, not at the first forward.
+    _C.normalize_devices(device_list, api)
+    _C.normalize_devices([output], f"{api} (output_device)")
+    _C.check_output_device(device_list, output, api)
+    return device_list, output
+
+
+def _check_module_device(
+    module: nn.Module, src_device: torch.device
+) -> tuple[str, str, torch.device] | None:
+    """The first parameter or buffer not on ``src_device``, as (kind, qualified name, device)."""
+    if _C.all_on_device(module, src_device):  # a dictionary walk in C++: the per-forward path
+        return None
+    t = next(t for t in chain(module.parameters(), module.buffers()) if t.device != src_device)
+    # Only on failure: find the qualified name of the first offending tensor.
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if p.device != src_device:
+            return "parameter", name, p.device
+    for name, b in module.named_buffers(remove_duplicate=False):
+        if b.device != src_device:
+            return "buffer", name, b.device
+    return "tensor", "?", t.device  # pragma: no cover - both walks see the same tensors
+
+
+def _device_error(
+    src_device: torch.device, found: tuple[str, str, torch.device], wrapper: bool
+) -> RuntimeError:
+    kind, name, device = found
+    target = repr(str(src_device))
+    if wrapper:
+        fix = (
+            f"call model.to({target}) (or .to({target}) on the DataParallel wrapper) before the "
+            "forward, or pass place_module=True to torchdp.DataParallel to have it moved at the "
+            "first forward"
+        )
+    else:
+        fix = f"call module.to({target}) before data_parallel()"
+    return RuntimeError(_C.misplaced_module_message(src_device, kind, name, device, f"Fix: {fix}."))
