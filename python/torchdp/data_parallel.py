@@ -7,6 +7,7 @@ import contextlib
 import importlib
 import operator
 import sys
+import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
