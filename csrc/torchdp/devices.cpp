@@ -91,12 +91,15 @@ void check_output_device(const std::vector<c10::Device>& devices, c10::Device ou
     return; // one device: nothing is gathered to output_device
   }
   for (const auto& d : devices) {
-    TORCH_CHECK_VALUE(d.is_meta(), api, ": output_device meta holds no data, so with devices ",
-                      devices_to_string(devices),
-                      " the outputs' gradients could not flow back to the replicas on ", d,
-                      "; pass an output device of the list (for example ", devices.front(),
-                      "), or meta devices only");
+    if (d.is_meta()) {
+      return; // a list with meta replicas computes no values anyway
+    }
   }
+  TORCH_CHECK_VALUE(false, api, ": output_device meta holds no data, so with devices ",
+                    devices_to_string(devices),
+                    " the outputs' gradients could not flow back to the replicas; pass an output "
+                    "device of the list (for example ",
+                    devices.front(), "), or meta devices");
 }
 
 std::string devices_to_string(const std::vector<c10::Device>& devices) {

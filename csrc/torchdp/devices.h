@@ -29,8 +29,9 @@ std::vector<c10::Device> normalize_devices(const std::vector<c10::Device>& devic
                                            const char* api);
 
 /// Refuses an output device that the outputs can reach but their gradients cannot come back from:
-/// `meta` (no data) when a device of the list holds data and the list has several devices (one
-/// device gathers nothing). Raises a c10::ValueError naming `api`.
+/// `meta` (no data) when the list has several devices and none of them is meta (one device
+/// gathers nothing; meta replicas compute no values anyway). Raises a c10::ValueError naming
+/// `api`.
 void check_output_device(const std::vector<c10::Device>& devices, c10::Device output,
                          const char* api);
 
