@@ -545,7 +545,7 @@ def test_bad_bucket_cap_is_refused_before_the_module_runs(world_of_one):
     with pytest.raises(ValueError, match="bucket_cap_mb"):
         dp(torch.randn(4, 3))
     assert dp.module.num_batches_tracked.item() == 0
-    torch.testing.assert_close(dp.module.running_mean, torch.zeros(3))
+    torch.testing.assert_close(dp.module.running_mean, torch.zeros_like(dp.module.running_mean))
 
 
 def test_process_group_attribute_and_copies(world_of_one):
