@@ -122,12 +122,12 @@ demo-cpp: build
 
 # The benchmark suite side by side on all GPUs (see benchmarks/run_all.py); results, Markdown table
 # and plots go to benchmarks/results. BENCH_ARGS="--gpus 1,2" or "--only train_step" narrow it.
-# Then the per-phase profile of torchdp's steps (benchmarks/profile_step.py; PROFILE_ARGS="--out F").
+# Then the per-phase profile of torchdp's steps (benchmarks/profiling.py step; PROFILE_ARGS="--out F").
 bench: python
 	cmake --build $(BUILD) -j $(JOBS) --target torchdp_bench_cpp
 	PYTHONPATH=$(CURDIR)/python $(PYTHON) benchmarks/run_all.py \
 	  --cpp-bin $(BUILD)/benchmarks/cpp/torchdp_bench_cpp $(BENCH_ARGS)
-	PYTHONPATH=$(CURDIR)/python $(PYTHON) benchmarks/profile_step.py $(PROFILE_ARGS)
+	PYTHONPATH=$(CURDIR)/python $(PYTHON) benchmarks/profiling.py step $(PROFILE_ARGS)
 
 # The soak test: 2,000 training steps through torchdp.DataParallel (cuda:0,cuda:0 with a GPU,
 # else cpu,cpu), failing when RSS, the thread count or CUDA memory grow past its bounds.

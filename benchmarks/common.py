@@ -7,7 +7,7 @@ Every benchmark script writes one JSON file::
 Each record has at least ``bench``, ``model``, ``mode``, ``gpus``, ``dtype``, one of
 ``step_ms_median`` / ``replicate_ms_median``, ``speedup_vs_single`` (None where it does not apply)
 and ``peak_mem_gib`` (one value per GPU used, or [] on the CPU). ``run_all.py`` merges the files of
-one run into ``results/<date>-<machine>.json`` and renders the Markdown table and plots.
+one run into ``results/<machine>.json`` and renders the Markdown table and plots.
 """
 
 from __future__ import annotations

@@ -6,21 +6,12 @@
 #
 #   bash benchmarks/gpu_call.sh <name> [step ...]
 #
-# Steps, in the order given (default: priority bench kept broadcast phases probe test; more than
-# one call holds: with two GPUs run `priority bench kept broadcast`, then `test phases probe pg`):
-#   priority  the extension, then the graph, bucket and ordering tests (the ones new since the
-#             last run on this GPU count)
+# Steps, in the order given (default: priority bench kept pg test; more than one call holds: with
+# two GPUs run `priority bench kept`, then `test pg`):
+#   priority  the extension, then the graph, bucket and ordering tests
 #   bench     make bench (all modes side by side) and the profiled steps with traces
-#   probe     benchmarks/probe_cuda_graphs.py over all GPUs
-#   broadcast benchmarks/probe_broadcast.py (transports for the transformer's parameters; two GPUs
-#             or more)
-#   phases    benchmarks/probe_replicate_phases.py --in-step over all GPUs (where replicate's CPU
-#             time goes, alone and inside training steps, kept and new replicas; --conditions,
-#             measured on one H200 on 2026-12-02, is left out: it takes minutes)
-#   kept      benchmarks/probe_kept_replicas.py over all GPUs, full-size models: training steps with
-#             kept replicas and with new ones at every step (cache_replicas), into results/
-#   snapshot  benchmarks/probe_buffer_snapshot.py on cuda:0 (the buffer copy of every replicated
-#             forward, Note [Buffers of failed forwards]), into results/
+#   kept      training steps with kept replicas and with new ones at every step (cache_replicas):
+#             bench_train_step.py --modes single,torchdp,torchdp_new_replicas, into results/
 #   pg        benchmarks/bench_process_group.py, one process per GPU over NCCL: DDP, torchdp's
 #             process_group option and DDP around torchdp, into results/ (two GPUs or more)
 #   test      make test (TORCHDP_REQUIRE_CUDA=1 with two GPUs or more)
@@ -28,10 +19,10 @@
 # TORCHDP_GIT_REV (pass it: the device tool's copy of the tree may carry an older .git, so the
 # default, git rev-parse --short HEAD, can name the wrong revision).
 set -u -o pipefail
-name=${1:?usage: gpu_call.sh <name> [priority|bench|probe|broadcast|phases|kept|snapshot|pg|test ...]}
+name=${1:?usage: gpu_call.sh <name> [priority|bench|kept|pg|test ...]}
 shift
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(priority bench kept broadcast phases probe pg test)
+[ ${#steps[@]} -eq 0 ] && steps=(priority bench kept pg test)
 : "${OUT:?OUT must name the folder whose files come back}"
 
 # Never NVLink multicast on shared multi-GPU hosts (also for the processes the steps start).
@@ -46,9 +37,6 @@ gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 jobs=$(nproc)
 require=()
 [ "$gpus" -ge 2 ] && require=(TORCHDP_REQUIRE_CUDA=1)
-# All GPUs; two replicas on the one GPU of a one-GPU machine.
-ids=$(seq -s, 0 $((gpus > 0 ? gpus - 1 : 0)))
-[ "$gpus" -le 1 ] && ids=0,0
 deadline=$((SECONDS + ${BUDGET_S:-560}))
 logs=$OUT/x
 mkdir -p "$logs"
@@ -87,38 +75,17 @@ for step in "${steps[@]}"; do
     bench)
       run bench 240 make bench JOBS="$jobs" \
         BENCH_ARGS="--out-dir $logs/results --name $name" \
-        PROFILE_ARGS="--out $logs/results/$name-profile-step.json --trace $logs/results/traces"
+        PROFILE_ARGS="--out $logs/results/$name-profile.json --trace $logs/results/traces"
       # The targets judged on this run's two-GPU records, into the summary that comes back.
       if [ -f "$logs/results/$name.json" ]; then
         python benchmarks/targets.py "$logs/results/$name.json" >>"$summary" 2>&1 || true
       fi
       ;;
-    probe)
-      run probe 60 env PYTHONPATH=python python benchmarks/probe_cuda_graphs.py --device-ids "$ids"
-      ;;
-    broadcast)
-      if [ "$gpus" -ge 2 ]; then
-        run probe-broadcast 60 env PYTHONPATH=python python benchmarks/probe_broadcast.py \
-          --device-ids "$ids"
-      else
-        echo "skipped probe-broadcast: needs two GPUs, $gpus visible" | tee -a "$summary"
-      fi
-      ;;
-    phases)
-      run probe-phases 60 env PYTHONPATH=python python benchmarks/probe_replicate_phases.py \
-        --device-ids "$ids" --in-step --calls 20
-      ;;
     kept)
       mkdir -p "$logs/results"
-      run probe-kept 90 env PYTHONPATH=python python benchmarks/probe_kept_replicas.py \
-        --devices "$(echo "$ids" | sed 's/\([0-9]\+\)/cuda:\1/g')" --width full \
-        --models mlp200,transformer,resnet50 --rounds 3 --steps 15 \
-        --out "$logs/results/$name-kept-replicas.json" --plot "$logs/results/$name-kept-replicas.png"
-      ;;
-    snapshot)
-      mkdir -p "$logs/results"
-      run probe-snapshot 30 env PYTHONPATH=python python benchmarks/probe_buffer_snapshot.py \
-        --device cuda:0 --out "$logs/results/$name-buffer-snapshot.json"
+      run kept 120 env PYTHONPATH=python python benchmarks/bench_train_step.py \
+        --modes single,torchdp,torchdp_new_replicas --dtypes fp32 \
+        --out "$logs/results/$name-kept-replicas.json"
       ;;
     pg)
       if [ "$gpus" -ge 2 ]; then
@@ -133,7 +100,7 @@ for step in "${steps[@]}"; do
       run make-test 240 make test JOBS="$jobs"
       ;;
     *)
-      echo "unknown step '$step' (priority, bench, probe, broadcast, phases, kept, snapshot, pg, test)" |
+      echo "unknown step '$step' (priority, bench, kept, pg, test)" |
         tee -a "$summary"
       ;;
   esac

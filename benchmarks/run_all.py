@@ -5,15 +5,16 @@
                                  [--out-dir benchmarks/results]
 
 Each benchmark runs in its own process (GPU memory starts clean for each); their records are merged
-into ``<out-dir>/<date>-<machine>.json`` with the machine metadata, and ``report.py`` renders
-``<date>-<machine>.md`` plus the ``-speedup.png`` and ``-replicate.png`` plots next to it. `make bench`
-runs this on all GPUs; CI runs ``--smoke`` (CPU, a few steps) through tests/python.
+into ``<out-dir>/<machine>.json`` (``2xH200.json``) with the machine metadata, and
+``report.py`` renders ``<machine>.md`` plus the ``-speedup.png``, ``-replicate.png`` and
+``-scaling.png`` plots next to it. A new run of a machine replaces its files: benchmarks/results
+holds the latest run per machine.
+`make bench` runs this on all GPUs; CI runs ``--smoke`` (CPU, a few steps) through tests/python.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
 import subprocess
@@ -53,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--cpp-bin", default=None, help="the torchdp_bench_cpp executable")
     parser.add_argument("--out-dir", default=str(HERE / "results"))
-    parser.add_argument("--name", default=None, help="file stem (default <date>-<machine>)")
+    parser.add_argument("--name", default=None, help="file stem (default <machine>)")
     args = parser.parse_args(argv)
 
     selected = [s.strip() for s in args.only.split(",") if s.strip()]
@@ -94,18 +95,12 @@ def main(argv: list[str] | None = None) -> int:
                 if name == "cpp":
                     machine["cpp"] = data["machine"]
 
-    stem = args.name or f"{dt.date.today().isoformat()}-{common.machine_name(machine)}"
+    stem = args.name or common.machine_name(machine)
     if args.smoke:
         stem += "-smoke"
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     machine["failures"] = failures
-    if not args.name and not args.smoke:
-        # A second run on the same day gets its own files (run-2, run-3, ...), never another
-        # run's name: results, tables and plots of earlier runs stay as they were.
-        base, k = stem, 2
-        while (out_dir / f"{stem}.json").exists():
-            stem, k = f"{base}-run{k}", k + 1
     result = out_dir / f"{stem}.json"
     result.write_text(json.dumps({"machine": machine, "records": records}, indent=1))
     common.progress(f"wrote {len(records)} records to {result}")

@@ -1,5 +1,5 @@
-"""benchmarks/targets.py: the two-GPU targets judged from a results file (a committed two-GPU run
-and synthetic records for each verdict)."""
+"""benchmarks/targets.py: the two-GPU targets judged from a results file (synthetic runs and
+records for each verdict)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,6 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import report
 import targets
-
-RUN4 = REPO / "benchmarks" / "results" / "2026-12-01-2xH200-run4.json"
 
 
 def verdict_of(verdicts, needle):
@@ -44,8 +42,70 @@ def replicate(model, mode, ms, bench="replicate", modules=None, **extra):
     return {**r, **extra}
 
 
-def test_committed_two_gpu_run_is_judged_as_its_notes_say():
-    _, _, records, warnings = report.load_results([str(RUN4)])
+def full_record(record: dict) -> dict:
+    """`record` with the fields every results file's record carries (common.validate_record)."""
+    return {"speedup_vs_single": None, "peak_mem_gib": [], **record}
+
+
+def two_gpu_run() -> list[dict]:
+    """The records of a synthetic two-GPU run with a record for every target: three met (module
+    count, peak memory, gradients), the others not."""
+    records = []
+    for model, one, ours, ddp in (
+        ("resnet50", 100.0, 57.0, 55.0),  # 1.75x, DDP 1.82x
+        ("transformer", 100.0, 60.0, 56.0),
+        ("mlp200", 30.0, 43.5, None),  # 0.69x
+    ):
+        records.append(train(model, "single", 1, one))
+        records.append(
+            train(model, "torchdp", 2, ours, grads_match_torch_dp=True, grads_max_abs_diff=0.0)
+        )
+        if ddp is not None:
+            records.append(train(model, "ddp", 2, ddp))
+    records += [
+        replicate("transformer", "torch_replicate", 8.74),
+        replicate("transformer", "torchdp_replicate", 2.0, bound_vs_torch=4.83),  # 4.37x
+        replicate("resnet50", "torch_replicate", 12.0),
+        replicate("resnet50", "torchdp_replicate", 1.0),
+    ]
+    for m in (11, 101, 1001):
+        records.append(replicate(f"seq{m}", "torch_replicate", 0.05 * m, "replicate_curve", m))
+        records.append(
+            replicate(f"seq{m}", "torchdp_replicate", 0.1 + 0.01 * m, "replicate_curve", m)
+        )
+    records += [
+        cpp("cpp_mlp200", "single", 1, 30.0),
+        cpp("cpp_mlp200", "libtorch_dp", 2, 328.0),
+        cpp("cpp_mlp200", "torchdp", 2, 50.0),  # 6.56x
+        # The flat net of older runs (no description): not the reference's conv net.
+        cpp("cpp_convnet", "single", 1, 40.0, model_desc=""),
+        cpp("cpp_convnet", "libtorch_dp", 2, 30.0, model_desc=""),
+        cpp("cpp_convnet", "torchdp", 2, 22.0, model_desc=""),
+    ]
+    for mode, peaks in (("torchdp_balanced", [10.3, 10.0]), ("torch_dp", [25.7, 10.0])):
+        records.append(
+            {
+                "bench": "memory",
+                "model": "lm50k",
+                "mode": mode,
+                "gpus": 2,
+                "dtype": "fp32",
+                "step_ms_median": 10.0,
+                "peak_mem_gib": peaks,
+            }
+        )
+    return [full_record(r) for r in records]
+
+
+def write_run(path: Path, records: list[dict], **machine) -> Path:
+    machine = {"gpus": ["H200", "H200"], **machine}
+    path.write_text(json.dumps({"machine": machine, "records": records}))
+    return path
+
+
+def test_a_two_gpu_results_file_is_judged(tmp_path):
+    run = write_run(tmp_path / "r.json", two_gpu_run())
+    _, _, records, warnings = report.load_results([str(run)])
     assert not warnings
     vs = targets.judge(records)
     assert len(vs) == len(targets.TARGETS)
@@ -58,9 +118,8 @@ def test_committed_two_gpu_run_is_judged_as_its_notes_say():
     assert rep.verdict == targets.NOT_MET and "transformer 4.37x" in rep.measured
     assert "bounds it at 4.83x" in rep.measured
     assert verdict_of(vs, "module count").verdict == targets.MET
-    cpp = verdict_of(vs, "LibTorch data_parallel")
-    assert cpp.verdict == targets.NOT_MET and "cpp_mlp200 6.56x" in cpp.measured
-    # Run 4's cpp_convnet was the flat net (cpp_convnet_flat since): not the reference's.
+    cpp_v = verdict_of(vs, "LibTorch data_parallel")
+    assert cpp_v.verdict == targets.NOT_MET and "cpp_mlp200 6.56x" in cpp_v.measured
     conv = verdict_of(vs, "conv net")
     assert conv.verdict == targets.NOT_MEASURED and "flat net" in conv.measured
     mem = verdict_of(vs, "peak memory")
@@ -71,7 +130,8 @@ def test_committed_two_gpu_run_is_judged_as_its_notes_say():
 
 
 def test_report_has_the_targets_section_only_with_two_gpu_records(tmp_path):
-    text = report.render([str(RUN4)], str(tmp_path / "r.md"), None)
+    run = write_run(tmp_path / "r.json", two_gpu_run())
+    text = report.render([str(run)], str(tmp_path / "r.md"), None)
     assert "## Targets (two GPUs)" in text
     assert "3 of 9 met" in text
     smoke = {

@@ -97,13 +97,11 @@ def test_results_validation_rejects_incomplete_records():
     )
 
 
-@pytest.mark.parametrize("delivery", ["join", "bucket"])
-def test_profile_step_smoke_records_every_phase(tmp_path, delivery):
-    env = _script_env()
-    env["TORCHDP_GRAD_DELIVERY"] = delivery
+def test_profile_step_smoke_records_every_phase(tmp_path):
     out = tmp_path / "profile.json"
     proc = _run_script(
-        "profile_step.py",
+        "profiling.py",
+        "step",
         "--smoke",
         "--models",
         "mlp200",
@@ -111,7 +109,6 @@ def test_profile_step_smoke_records_every_phase(tmp_path, delivery):
         "2",
         "--out",
         str(out),
-        env=env,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     data = json.loads(out.read_text())
@@ -119,13 +116,14 @@ def test_profile_step_smoke_records_every_phase(tmp_path, delivery):
     assert rec["model"] == "mlp200" and rec["gpus"] == 2 and rec["step_ms_median"] > 0
     phases = rec["phase_cpu_ms_per_step"]
     assert set(phases) >= {"DataParallel.replicate", "DataParallel.parallel_apply", "backward"}
+    # torchdp's own ranges are profiled (CPU time), not wall-clocked. The smoke MLP has no hooks
+    # and only plain modules, so its replicas skip the device check.
+    ranges = {p for p in phases if p.startswith("torchdp.replicate.")}
+    assert phases.pop("torchdp.replicate.device_check") == 0
     assert all(v > 0 for v in phases.values()), phases
     assert rec["top_ops_self_cpu_ms_per_step"]
-    # Taking the kept replicas back happens inside the forward, outside every overridable phase:
-    # profiled (CPU time), not wall-clocked.
-    assert phases["torchdp.replicate.park"] > 0
     wall = rec["phase_wall_ms_per_step"]
-    assert set(wall) == {"forward", *phases} - {"torchdp.replicate.park"}
+    assert set(wall) == {"forward", *phases} - ranges
     assert all(v > 0 for v in wall.values()), wall
     # The DataParallel call contains replicate .. gather.
     inner = sum(
@@ -146,15 +144,10 @@ def test_profile_step_smoke_records_every_phase(tmp_path, delivery):
     assert "| mlp200 | cpu, cpu |" in table and "parallel_apply" in table
     assert "one device: step ms" in table
     assert rec["gpu_idle"] == {}  # CPU devices: no device activity
-    # The smoke MLP's 8 parameters start every step with .grad None: in bucket delivery no bucket
-    # waits for its own reduction (Note [Delivering bucket sums directly]).
-    assert rec["grad_delivery"] == delivery
-    assert rec["deferred_gradient_sums_per_step"] == (8.0 if delivery == "bucket" else 0.0)
-    assert f"mlp200 {delivery}" in table
 
 
 def test_profile_step_gpu_idle_finds_the_gaps_and_their_phases():
-    import profile_step
+    import profiling
 
     ms = 1e3  # the profiler's intervals are in microseconds
     # Device 0 works 0-10 and 14-20 ms; device 1 starts late (3) and stops early (18), with a gap
@@ -168,113 +161,29 @@ def test_profile_step_gpu_idle_finds_the_gaps_and_their_phases():
         ("replicate", 2 * ms, 4 * ms),
         ("backward", 12 * ms, 20 * ms),
     ]
-    idle = profile_step.gpu_idle(busy, phases, steps=2)
+    idle = profiling.gpu_idle(busy, phases, steps=2)
     assert set(idle) == {"cuda:0", "cuda:1"}
     assert idle["cuda:0"] == {"idle_ms_per_step": 2.0, "largest_gaps": [[4.0, "forward"]]}
     # Device 1: 3 ms before it starts, 1 ms at 5, 2 ms at the end: 6 ms over 2 steps.
     assert idle["cuda:1"]["idle_ms_per_step"] == 3.0
     assert idle["cuda:1"]["largest_gaps"] == [[3.0, "forward"], [2.0, "backward"], [1.0, "forward"]]
-    assert len(profile_step.gpu_idle(busy, phases, steps=1, top=1)["cuda:1"]["largest_gaps"]) == 1
+    assert len(profiling.gpu_idle(busy, phases, steps=1, top=1)["cuda:1"]["largest_gaps"]) == 1
     # The innermost phase names a gap: one beginning at 2.5 ms falls in replicate; one outside
     # every phase is said to be between phases.
-    inner = profile_step.gpu_idle(
+    inner = profiling.gpu_idle(
         {0: [(0, 2.5 * ms), (3 * ms, 20 * ms), (21 * ms, 22 * ms)]}, phases, 1
     )
     assert inner["cuda:0"]["largest_gaps"] == [[1.0, "between phases"], [0.5, "replicate"]]
-    assert profile_step.gpu_idle({}, phases, steps=1) == {}
+    assert profiling.gpu_idle({}, phases, steps=1) == {}
 
 
 def test_profile_step_rejects_bad_device_ids():
     for ids, expected in [("0,x", "comma-separated integers"), ("99,99", "--device-ids needs")]:
-        proc = _run_script("profile_step.py", "--device-ids", ids, timeout=120)
+        proc = _run_script("profiling.py", "step", "--device-ids", ids, timeout=120)
         assert proc.returncode == 2, proc.stdout + proc.stderr
         assert expected in proc.stderr, proc.stderr
-    proc = _run_script("profile_step.py", "--device-ids", "0,0", "--smoke", timeout=120)
+    proc = _run_script("profiling.py", "step", "--device-ids", "0,0", "--smoke", timeout=120)
     assert proc.returncode == 2 and "replaces --gpus and --smoke" in proc.stderr
-
-
-def test_replicate_phases_probe_sees_torchdp_profiler_ranges():
-    # The C++ marks its phases with profiler ranges (csrc/torchdp/profiling.h); the probe reads
-    # them back from torch.profiler, so each must appear once per replicate call.
-    proc = _run_script(
-        "probe_replicate_phases.py",
-        "--smoke",
-        "--models",
-        "mlp200",
-        "--calls",
-        "3",
-        "--in-step",
-        "--conditions",
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    # Two profiled sections (isolated calls, then the calls inside training steps), each with
-    # every phase once per replicate call; the smoke MLP has no hooks and only plain modules, so
-    # its replicas skip the device check.
-    sections = proc.stdout.split("inside training steps: median")
-    assert len(sections) == 2, proc.stdout
-    for section in sections:
-        for phase in ("walk", "transfer", "build"):
-            line = next(
-                (row for row in section.splitlines() if f"torchdp.replicate.{phase} " in row),
-                None,
-            )
-            assert line is not None, section
-            assert line.rstrip().endswith("1.0 calls/call"), line
-        assert "torchdp.replicate.device_check" not in section
-        assert "torchdp.broadcast.autograd" in section
-    # The conditions table: one positive median per condition.
-    rows = proc.stdout.split("replicate() median wall ms")[1].splitlines()[1:8]
-    assert len(rows) == 7 and all(float(r.split()[-1]) > 0 for r in rows), rows
-
-
-def test_kept_replicas_probe_times_both_ways(tmp_path):
-    out = tmp_path / "kept.json"
-    proc = _run_script(
-        "probe_kept_replicas.py",
-        "--models",
-        "mlp200,transformer",
-        "--rounds",
-        "1",
-        "--steps",
-        "3",
-        "--out",
-        str(out),
-        "--plot",
-        str(tmp_path / "kept.png"),
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert (tmp_path / "kept.png").stat().st_size > 0
-    import torch
-
-    data = json.loads(out.read_text())
-    assert data["machine"]["torch"] == torch.__version__
-    records = data["records"]
-    assert [(r["model"], r["way"]) for r in records] == [
-        ("mlp200", "kept"),
-        ("mlp200", "new"),
-        ("transformer", "kept"),
-        ("transformer", "new"),
-    ]
-    for r in records:
-        assert r["steps"] == 3 and r["step_ms_median"] > 0 and r["gc_collections_per_step"] >= 0
-    assert records[0]["modules"] == 401
-    assert "mlp200: kept replicas save" in proc.stdout
-
-
-def test_buffer_snapshot_probe_times_the_copy(tmp_path):
-    out = tmp_path / "snapshot.json"
-    proc = _run_script(
-        "probe_buffer_snapshot.py", "--device", "cpu", "--calls", "5", "--out", str(out)
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    records = json.loads(out.read_text())["records"]
-    assert [r["model"] for r in records] == ["mlp200", "transformer", "resnet50"]
-    for r in records:
-        assert r["snapshot_cpu_us_count"] == 5 and r["snapshot_cpu_us_median"] > 0
-        assert r["replicate_cpu_us_median"] > 0 and r["refresh_gpu_us"] is None
-        assert r["refresh_cpu_us_count"] == 5 and r["refresh_cpu_us_median"] > 0
-    assert records[2]["buffers"] > 0 and records[2]["buffer_bytes"] > 0
-    assert "resnet50 on cpu" in proc.stdout
 
 
 def test_process_group_bench_times_every_mode(tmp_path):

@@ -1,37 +1,36 @@
-"""Profile of torchdp.DataParallel training steps: where each step's time goes.
+"""Where the time of torchdp's training steps goes, in two views (one subcommand each).
 
-For each model of ``bench_train_step.py`` (fp32, full batch) one ``torchdp.DataParallel`` over the
-first ``--gpus`` GPUs runs a few warm-up steps, then ``--steps`` steps under ``torch.profiler``.
-The phases of a step are marked with ``record_function`` (``DataParallel.replicate``, ``.scatter``,
-``.parallel_apply``, ``.gather``, ``loss``, ``backward``, ``optimizer``) through overridden methods
-of a DataParallel subclass, so the library itself is unchanged. Per model the JSON record holds the
-median step time (from a separate synchronised timing), the CPU time of each phase per step, the
-GPU kernel time per device per step, each GPU's idle time per step with its largest gaps (and
-the phase they began in), and the top operators by CPU time. Without the profiler,
-the same steps are also timed phase by phase with the wall clock of the calling thread (no
-synchronisation inside a step, so a phase's time is the CPU time it takes to issue its work),
-next to the same phases of the plain model on one GPU with the full batch.
+``step``: for each model of ``bench_train_step.py`` (fp32, full batch) one
+``torchdp.DataParallel`` over the first ``--gpus`` GPUs runs a few warm-up steps, then ``--steps``
+steps under ``torch.profiler``. The phases of a step are marked with ``record_function``
+(``DataParallel.replicate``, ``.scatter``, ``.parallel_apply``, ``.gather``, ``loss``,
+``backward``, ``optimizer``) through overridden methods of a DataParallel subclass; torchdp's
+own ranges (``csrc/torchdp/profiling.h``: walk, transfer, build, device_check, park) are read back
+too. Per model the JSON record holds the median step time, the CPU time of each phase per step,
+the GPU kernel time per device per step, each GPU's idle time per step with its largest gaps (and
+the phase they began in), the top operators by CPU time, and, without the profiler, the wall time
+of each phase on the calling thread next to the same phases of the plain model on one GPU.
+``--device-ids 0,0`` puts two replicas on one GPU: the GPU time is then shared, but the CPU side
+(replicate, scatter, the forwards under one GIL, gather) costs what it costs on two GPUs.
+``--trace DIR`` also writes gzipped Chrome traces (``DIR/<model>-trace.json.gz``).
 
-``--device-ids 0,0`` puts two replicas on one GPU: the GPU time is then shared, and both
-replicas' backward runs on that device's one autograd thread, but replication, scatter, the two
-forwards under one GIL and gather cost the CPU what they cost on two GPUs, so those phases of a
-CPU-bound model can be studied on a one-GPU machine.
+``single-gpu``: the plain model on one GPU: the share of the step the GPU is busy and the CPU time
+to issue one forward. A model whose one-GPU step leaves the GPU mostly idle is bound by the CPU
+work of issuing kernels, which data parallelism from one process multiplies instead of dividing.
 
-    python benchmarks/profile_step.py          # all GPUs (2 or more), ~1 min; `make bench` runs it
-    python benchmarks/profile_step.py --device-ids 0,0 --models mlp200        # one GPU, 2 replicas
-    python benchmarks/profile_step.py --out /tmp/p.json --smoke                        # CPU, seconds
-    python benchmarks/profile_step.py --models transformer --trace /tmp/traces   # + Chrome traces
+What kept replicas save (``cache_replicas``) is a mode of the suite:
+``bench_train_step.py --modes torchdp,torchdp_new_replicas``.
 
-``--trace DIR`` also writes the profiled steps of each model as a gzipped Chrome trace
-(``DIR/<model>-trace.json.gz``; open it in Perfetto or chrome://tracing): the calling thread, the
-workers and autograd threads, and every kernel and copy on each GPU's streams.
+    python benchmarks/profiling.py step                 # all GPUs (2 or more); `make bench` runs it
+    python benchmarks/profiling.py step --device-ids 0,0 --models mlp200   # one GPU, 2 replicas
+    python benchmarks/profiling.py step --smoke --out /tmp/p.json           # CPU, seconds
+    python benchmarks/profiling.py single-gpu --out /tmp/one.json
 """
 
 from __future__ import annotations
 
 import argparse
 import gzip
-import os
 import shutil
 import statistics
 import sys
@@ -54,6 +53,7 @@ from bench_train_step import (
     compute_loss,
     disable_dropout,
     make_inputs,
+    make_step,
     mode_devices,
     parse_list,
 )
@@ -70,9 +70,15 @@ PHASES = (
     "backward",
     "optimizer",
 )
-# torchdp's own ranges inside the forward that no overridable method contains: taking the kept
-# replicas back after parallel_apply (Note [Kept replicas]). CPU time only (no wall clock).
-INNER_PHASES = ("torchdp.replicate.park",)
+# torchdp's own ranges inside the forward (profiling.h): replicate's phases, and taking the kept
+# replicas back after parallel_apply, which no overridable method contains. CPU time only.
+INNER_PHASES = (
+    "torchdp.replicate.walk",
+    "torchdp.replicate.transfer",
+    "torchdp.replicate.build",
+    "torchdp.replicate.device_check",
+    "torchdp.replicate.park",
+)
 CPU_PHASES = PHASES + INNER_PHASES
 
 
@@ -273,12 +279,10 @@ def profile_model(
     activities = [ProfilerActivity.CPU]
     if dev0.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
-    deferred = torchdp._C.deferred_gradient_sums()
     with profile(activities=activities) as prof:
         for _ in range(steps):
             step()
         common.synchronize(devices)
-    deferred = torchdp._C.deferred_gradient_sums() - deferred
     if trace_dir is not None:
         common.progress(f"{name}: trace in {write_trace(prof, trace_dir, name)}")
     phases: dict[str, float] = defaultdict(float)
@@ -306,9 +310,6 @@ def profile_model(
             f"cuda:{i}": round(us / steps / 1e3, 2) for i, us in sorted(gpu_us.items())
         },
         "gpu_idle": gpu_idle(busy, ranges, steps),
-        # Note [Delivering bucket sums directly] (csrc/torchdp/autograd.cpp)
-        "grad_delivery": os.environ.get("TORCHDP_GRAD_DELIVERY") or "join",
-        "deferred_gradient_sums_per_step": round(deferred / steps, 1),
         "top_ops_self_cpu_ms_per_step": [
             [e.key, round(e.self_cpu_time_total / steps / 1e3, 3), e.count // steps] for e in top
         ],
@@ -321,21 +322,10 @@ def markdown(records: list[dict[str, Any]]) -> str:
     lines = [
         "# torchdp.DataParallel step profile",
         "",
-        "CPU ms per step spent in each phase (profiler ranges, wall time on the calling thread; the "
-        "backward's device threads run in parallel with it; `park`: taking the kept replicas "
-        "back at the end of the forward) and GPU kernel ms per step per device.",
-        "",
-        "Gradient delivery (TORCHDP_GRAD_DELIVERY): "
-        + ", ".join(
-            f"{r['model']} {r.get('grad_delivery', 'join')}"
-            + (
-                f", {r['deferred_gradient_sums_per_step']} deferred sums per step"
-                if r.get("deferred_gradient_sums_per_step")
-                else ""
-            )
-            for r in records
-        )
-        + ".",
+        "CPU ms per step spent in each phase (profiler ranges, wall time on the calling thread; "
+        "the backward's device threads run in parallel with it; walk, transfer, build, "
+        "device_check: inside replicate; `park`: taking the kept replicas back at the end of the "
+        "forward) and GPU kernel ms per step per device.",
         "",
         "| model | devices | step ms | " + " | ".join(short) + " | GPU kernel ms |",
         "|---|---|---|" + "---|" * len(short) + "---|",
@@ -387,68 +377,89 @@ def markdown(records: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--out",
-        default=None,
-        help="JSON file to write (default benchmarks/results/<date>-<machine>-profile-step.json)",
+def single_gpu(name: str, device: torch.device) -> dict[str, Any]:
+    """The plain model on one GPU: step time, GPU kernel time per step, their ratio, and the CPU
+    time of one forward call without waiting for the GPU."""
+    model = build_model(name, False).to(device)
+    x, target = make_inputs(name, False)
+    x = x.to(device)
+    target = target.to(device) if target is not None else None
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    step = make_step(name, model, opt, x, target, "fp32", "cuda")
+    times = common.time_steps(step, [device], warmup=3, steps=5)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize(device)
+    kernel_us = sum(
+        e.self_device_time_total
+        for e in prof.key_averages()
+        if e.device_type == torch.autograd.DeviceType.CUDA
     )
-    parser.add_argument("--smoke", action="store_true", help="tiny models on two CPU devices")
-    parser.add_argument("--gpus", type=int, default=None, help="GPU count (default: all visible)")
-    parser.add_argument(
-        "--device-ids",
-        default=None,
-        help="comma list of CUDA device indices, repeats allowed (0,0: two replicas on one GPU)",
-    )
-    parser.add_argument("--steps", type=int, default=3, help="profiled steps (default 3)")
-    parser.add_argument("--models", default=None, help=f"comma list of {', '.join(MODELS)}")
-    parser.add_argument(
-        "--trace", default=None, help="folder for gzipped Chrome traces of the profiled steps"
-    )
-    args = parser.parse_args(argv)
+    issue = []
+    for _ in range(5):
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        out = model(x)
+        issue.append((time.perf_counter() - start) * 1e3)
+        del out
+    torch.cuda.synchronize(device)
+    step_ms = statistics.median(times)
+    kernel_ms = kernel_us / 3 / 1e3
+    return {
+        "model": name,
+        "dtype": "fp32",
+        "step_ms": round(step_ms, 2),
+        "gpu_kernel_ms": round(kernel_ms, 2),
+        "gpu_busy": round(kernel_ms / step_ms, 3),
+        "forward_issue_ms": round(statistics.median(issue), 2),
+    }
+
+
+def parse_device_ids(parser: argparse.ArgumentParser, text: str, visible: int) -> list[int]:
+    try:
+        device_ids = [int(i) for i in text.split(",")]
+    except ValueError:
+        parser.error(f"--device-ids takes comma-separated integers, got {text!r}")
+    bad = [i for i in device_ids if not 0 <= i < visible]
+    if bad or len(device_ids) < 2:
+        parser.error(
+            f"--device-ids needs at least 2 entries among the {visible} visible CUDA devices "
+            f"(0..{visible - 1}), got {text!r}"
+        )
+    return device_ids
+
+
+def run_step(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     visible = torch.cuda.device_count()
     device_ids = None
     if args.device_ids is not None:
         if args.smoke or args.gpus is not None:
             parser.error("--device-ids replaces --gpus and --smoke")
-        try:
-            device_ids = [int(i) for i in args.device_ids.split(",")]
-        except ValueError:
-            parser.error(f"--device-ids takes comma-separated integers, got {args.device_ids!r}")
-        bad = [i for i in device_ids if not 0 <= i < visible]
-        if bad or len(device_ids) < 2:
-            parser.error(
-                f"--device-ids needs at least 2 entries among the {visible} visible CUDA devices "
-                f"(0..{visible - 1}), got {args.device_ids!r}"
-            )
+        device_ids = parse_device_ids(parser, args.device_ids, visible)
         args.gpus = len(device_ids)
     elif args.smoke:
         args.gpus = 2
     elif args.gpus is None:
         if visible < 2:
-            common.progress(f"profile_step: needs at least 2 GPUs, {visible} visible; skipped")
+            common.progress(f"profile step: needs at least 2 GPUs, {visible} visible; skipped")
             return 0
         args.gpus = visible
     elif visible < args.gpus:
         parser.error(f"needs {args.gpus} CUDA devices, {visible} visible")
     if args.out is None:
         info = common.machine_info()
-        stamp = info["date"][:10]
-        args.out = str(_HERE / "results" / f"{stamp}-{common.machine_name(info)}-profile-step.json")
+        args.out = str(_HERE / "results" / f"{common.machine_name(info)}-profile.json")
     records = []
     for name in parse_list(args.models, MODELS, "model"):
         where = f"device ids {device_ids}" if device_ids else f"{args.gpus} devices"
         common.progress(f"profiling {name} (torchdp.DataParallel, {where})")
         rec = profile_model(name, args.smoke, args.gpus, args.steps, device_ids, args.trace)
-        phases = ", ".join(
-            f"{p.removeprefix('DataParallel.')} {v:.2f}"
-            for p, v in rec["phase_cpu_ms_per_step"].items()
-        )
+        cpu = rec["phase_cpu_ms_per_step"]
+        phases = ", ".join(f"{short_name(p)} {v:.2f}" for p, v in cpu.items())
         common.progress(
             f"{name}: step {rec['step_ms_median']} ms; CPU ms per step: {phases}; GPU kernel ms "
-            f"per step: {rec['gpu_kernel_ms_per_step']}; wall ms per step: "
-            f"{rec['phase_wall_ms_per_step']}; one device: {rec['single_device']}"
+            f"per step: {rec['gpu_kernel_ms_per_step']}; one device: {rec['single_device']}"
         )
         records.append(rec)
         if torch.cuda.is_available():
@@ -458,6 +469,48 @@ def main(argv: Sequence[str] | None = None) -> int:
     md.write_text(markdown(records))
     common.progress(f"wrote {md}")
     return 0
+
+
+def run_single_gpu(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    if not torch.cuda.is_available():
+        parser.error("single-gpu needs a CUDA device")
+    records = []
+    for name in parse_list(args.models, MODELS, "model"):
+        rec = single_gpu(name, torch.device("cuda", 0))
+        common.progress(
+            f"{name}: step {rec['step_ms']} ms, GPU busy {rec['gpu_busy']:.0%}, "
+            f"forward issue {rec['forward_issue_ms']} ms"
+        )
+        records.append(rec)
+        torch.cuda.empty_cache()
+    common.write_plain(args.out, "profile_single_gpu", records)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="view", required=True)
+    models = f"comma list of {', '.join(MODELS)}"
+    step = sub.add_parser("step", help="phases of torchdp.DataParallel steps")
+    step.add_argument(
+        "--out", default=None, help="JSON file (default results/<machine>-profile.json)"
+    )
+    step.add_argument("--smoke", action="store_true", help="tiny models on two CPU devices")
+    step.add_argument("--gpus", type=int, default=None, help="GPU count (default: all visible)")
+    step.add_argument(
+        "--device-ids",
+        default=None,
+        help="comma list of CUDA device indices, repeats allowed (0,0: two replicas on one GPU)",
+    )
+    step.add_argument("--steps", type=int, default=3, help="profiled steps (default 3)")
+    step.add_argument("--models", default=None, help=models)
+    step.add_argument("--trace", default=None, help="folder for gzipped Chrome traces")
+    one = sub.add_parser("single-gpu", help="GPU busy share of the plain model on one GPU")
+    one.add_argument("--out", required=True, help="JSON file to write")
+    one.add_argument("--models", default=None, help=models)
+    args = parser.parse_args(argv)
+    run = {"step": run_step, "single-gpu": run_single_gpu}[args.view]
+    return run(sub.choices[args.view], args)
 
 
 if __name__ == "__main__":
