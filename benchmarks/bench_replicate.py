@@ -5,9 +5,7 @@ Both replicate differentiably (``detach=False``) onto all GPUs. Two parts:
 * the three models of the train-step benchmark (torchvision ``resnet50``; ``transformer``: a
   12-layer ``nn.TransformerEncoder`` of ``TransformerEncoderLayer(768, 12, 3072,
   batch_first=True)``; ``mlp200``: ``nn.Sequential`` of 200 x (Linear(256, 256), ReLU)) ->
-  records ``bench="replicate"``, modes ``torch_replicate`` / ``torchdp_replicate`` /
-  ``torchdp_replicate_peer`` (CUDA only: the experimental peer-copy broadcast,
-  ``TORCHDP_PEER_BROADCAST``);
+  records ``bench="replicate"``, modes ``torch_replicate`` / ``torchdp_replicate``;
   Each model's records also carry ``broadcast_ms_median``: the time of broadcasting its
   parameters and buffers alone (``torchdp._C.broadcast_coalesced``, no autograd, no modules),
   the transfer that any replicate pays, and ``bound_vs_torch`` = torch's replicate time / that
@@ -30,13 +28,11 @@ replicate recorded as skipped (it needs CUDA), curve k in 10, 30.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
-import os
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -60,11 +56,7 @@ except ImportError:  # not installed: the in-place build of the repository
 else:
     _TORCHDP_IMPORT_ERROR = ""
 
-MODES = ("torch_replicate", "torchdp_replicate", "torchdp_replicate_peer")
-# torchdp_replicate_peer: torchdp.replicate with the experimental peer-copy broadcast (Note
-# [Peer-copy broadcast], csrc/torchdp/cuda/peer_copy.h) over this many streams; CUDA devices and
-# the model part only.
-PEER_STREAMS = "2"
+MODES = ("torch_replicate", "torchdp_replicate")
 DEFAULT_CURVE = (10, 30, 100, 300, 1000, 2000)
 SMOKE_CURVE = (10, 30)
 DEFAULT_MODELS = ("resnet50", "transformer", "mlp200")
@@ -119,23 +111,6 @@ def replicate_fn(mode: str, devices: list[torch.device]) -> Callable[[nn.Module]
     return lambda net: torchdp.replicate(net, devices, detach=False)
 
 
-@contextlib.contextmanager
-def peer_broadcast(streams: str | None) -> Iterator[None]:
-    """TORCHDP_PEER_BROADCAST set to `streams` (None: left as it is) for the block."""
-    if streams is None:
-        yield
-        return
-    previous = os.environ.get("TORCHDP_PEER_BROADCAST")
-    os.environ["TORCHDP_PEER_BROADCAST"] = streams
-    try:
-        yield
-    finally:
-        if previous is None:
-            del os.environ["TORCHDP_PEER_BROADCAST"]
-        else:
-            os.environ["TORCHDP_PEER_BROADCAST"] = previous
-
-
 def error_text(e: BaseException) -> str:
     text = f"{type(e).__name__}: {e}"
     return text if len(text) <= 1500 else text[:1500] + " [...]"
@@ -182,10 +157,6 @@ class Runner:
         medians: dict[str, float] = {}
         floor = self.broadcast_floor(model_name, net) if bench == "replicate" else None
         for mode in MODES:
-            if mode == "torchdp_replicate_peer" and (
-                bench != "replicate" or any(d.type != "cuda" for d in self.devices)
-            ):
-                continue
             record = self.base(bench, model_name, mode)
             if modules is not None:
                 record["modules"] = modules
@@ -212,12 +183,9 @@ class Runner:
                 fn = replicate_fn(mode, self.devices)
                 steps = steps_for(mode)
                 started = time.perf_counter()
-                with peer_broadcast(PEER_STREAMS if mode == "torchdp_replicate_peer" else None):
-                    times = common.time_steps(
-                        lambda fn=fn: fn(net), self.devices, self.args.warmup, steps
-                    )
-                if mode == "torchdp_replicate_peer":
-                    record["peer_streams"] = int(PEER_STREAMS)
+                times = common.time_steps(
+                    lambda fn=fn: fn(net), self.devices, self.args.warmup, steps
+                )
                 record.update(common.summarize(times, prefix="replicate_ms"))
                 record["wall_s"] = round(time.perf_counter() - started, 3)
                 medians[mode] = record["replicate_ms_median"]
@@ -230,7 +198,7 @@ class Runner:
                     traceback.print_exc()
             finally:
                 free_memory()
-            if mode in ("torchdp_replicate", "torchdp_replicate_peer"):
+            if mode == "torchdp_replicate":
                 torch_ms = medians.get("torch_replicate")
                 ours = medians.get(mode)
                 record["speedup_vs_torch"] = torch_ms / ours if torch_ms and ours else None

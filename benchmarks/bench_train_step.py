@@ -3,10 +3,8 @@
 Modes: ``single``, ``torch_dp``, ``torchdp``, ``torchdp_serial`` (``torchdp.DataParallel`` with
 ``serial_forward=True``), ``torchdp_new_replicas`` (``torchdp.DataParallel(cache_replicas=False)``:
 new replica modules at every forward, as ``torch.nn.DataParallel`` builds them; only when
-``--modes`` names it), ``torchdp_bucket_grads`` (``torchdp.DataParallel`` with the experimental
-``TORCHDP_GRAD_DELIVERY=bucket``: each gradient bucket's sums reach the parameters during the
-backward pass), ``torchdp_graphs`` (``torchdp.DataParallel(cuda_graphs=True)``: persistent replicas
-replayed as CUDA graphs) with its one-GPU baseline ``single_graphs`` (the same on the first GPU
+``--modes`` names it), ``torchdp_graphs`` (``torchdp.DataParallel(cuda_graphs=True)``: persistent
+replicas replayed as CUDA graphs) with its one-GPU baseline ``single_graphs`` (the same on the first GPU
 alone; not in smoke runs), ``ddp``, and ``single_shard``: the plain model on the first GPU with one
 replica's share of the batch (batch / g for each GPU count g, or the counts of ``--shards``). Its
 ``ideal_speedup_vs_single`` = one-GPU time / its time is what a g-GPU run would reach with perfect
@@ -49,7 +47,7 @@ import socket
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -86,7 +84,6 @@ MODES = (
     "torchdp",
     "torchdp_serial",
     "torchdp_new_replicas",
-    "torchdp_bucket_grads",
     "torchdp_graphs",
     "ddp",
 )
@@ -97,8 +94,6 @@ GRAPH_MODES = ("single_graphs", "torchdp_graphs")
 OPT_IN_MODES = ("torchdp_new_replicas",)
 # Modes that run on the first GPU alone (their records carry gpus = 1).
 ONE_GPU_MODES = ("single", "single_graphs", "single_shard")
-# Environment of the in-process modes that differ from torchdp's defaults only there.
-MODE_ENVIRONMENT = {"torchdp_bucket_grads": {"TORCHDP_GRAD_DELIVERY": "bucket"}}
 
 # (batch, per-sample input shape, classes or None) -- full size and --smoke
 SHAPES = {
@@ -185,7 +180,7 @@ def wrap_data_parallel(
             torchdp.DataParallel(module, device_ids=list(range(gpus)), cuda_graphs=True),
             "cuda_graphs=True: persistent replicas, forward and backward replayed as CUDA graphs",
         )
-    if impl in ("torchdp", "torchdp_serial", "torchdp_new_replicas", "torchdp_bucket_grads"):
+    if impl in ("torchdp", "torchdp_serial", "torchdp_new_replicas"):
         options = {
             "serial_forward": impl == "torchdp_serial",
             "cache_replicas": impl != "torchdp_new_replicas",
@@ -193,7 +188,6 @@ def wrap_data_parallel(
         note = {
             "torchdp_serial": "serial_forward=True: replicas issued in order on the calling thread",
             "torchdp_new_replicas": "cache_replicas=False: new replica modules at every forward",
-            "torchdp_bucket_grads": "TORCHDP_GRAD_DELIVERY=bucket (experimental)",
         }.get(impl)
         if smoke:
             return torchdp.DataParallel(module, devices=mode_devices(True, gpus), **options), note
@@ -751,22 +745,6 @@ def grad_check(
     return result
 
 
-@contextlib.contextmanager
-def mode_environment(mode: str) -> Iterator[None]:
-    """The environment variables of `mode` (MODE_ENVIRONMENT), set while it runs."""
-    changes = MODE_ENVIRONMENT.get(mode, {})
-    saved = {k: os.environ.get(k) for k in changes}
-    os.environ.update(changes)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def run_local_mode(
     mode: str,
     name: str,
@@ -807,8 +785,7 @@ def run_local_mode(
     step = make_step(name, wrapped, opt, x, target, dtype, dev0.type)
     free_memory()
     common.reset_peak_memory(devices)
-    with mode_environment(mode):
-        times = common.time_steps(step, devices, warmup, steps)
+    times = common.time_steps(step, devices, warmup, steps)
     used = sorted(set(devices), key=lambda d: (d.type, d.index or 0))
     fields: dict[str, Any] = {
         **common.summarize(times),

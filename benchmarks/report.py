@@ -49,7 +49,6 @@ MODE_ORDER = [
     "torchdp",
     "torchdp_serial",
     "torchdp_new_replicas",
-    "torchdp_bucket_grads",
     "torchdp_graphs",
     "torchdp_balanced",
     "torchdp_functional",
@@ -57,7 +56,6 @@ MODE_ORDER = [
     "torch_replicate",
     "libtorch_replicate",
     "torchdp_replicate",
-    "torchdp_replicate_peer",
 ]
 DTYPE_ORDER = ["fp32", "tf32", "bf16", "fp16"]
 CPP_BENCHES = ("cpp_train_step", "cpp_replicate")
@@ -417,7 +415,6 @@ def replicate_section(records: list[Record]) -> list[str]:
             continue
         floor = num(d.get("broadcast_ms_median", t.get("broadcast_ms_median")))
         bound = num(d.get("bound_vs_torch", t.get("bound_vs_torch")))
-        peer = modes.get("torchdp_replicate_peer", {})
         rows.append(
             [
                 model,
@@ -428,8 +425,6 @@ def replicate_section(records: list[Record]) -> list[str]:
                 fmt_x(speed),
                 fmt_ms(floor),
                 fmt_x(bound),
-                fmt_ms(time_of(peer)),
-                fmt_x(peer.get("speedup_vs_torch")),
             ]
         )
     if rows:
@@ -445,14 +440,7 @@ def replicate_section(records: list[Record]) -> list[str]:
             ),
             "",
         ]
-        headers = [*REPLICATE_COLUMNS, "broadcast only ms", "bound", "peer copies ms", "speedup"]
-        if all(row[-2] == fmt_ms(None) for row in rows):  # no peer-copy records in this run
-            headers, rows = headers[:-2], [row[:-2] for row in rows]
-        else:
-            lines[-2] += (
-                " Peer copies: `torchdp.replicate` with the experimental peer-copy broadcast "
-                "(`TORCHDP_PEER_BROADCAST`), and its speedup over torch."
-            )
+        headers = [*REPLICATE_COLUMNS, "broadcast only ms", "bound"]
         lines += table(headers, rows)
 
     groups = pivot(records, "replicate_curve")

@@ -32,7 +32,6 @@ GPUS = 2
 MET, NOT_MET, NOT_MEASURED = "met", "not met", "not measured"
 # Opt-in torchdp modes of the training-step benchmark, with the option each one stands for.
 OPTION_MODES = {
-    "torchdp_bucket_grads": "TORCHDP_GRAD_DELIVERY=bucket",
     "torchdp_graphs": "cuda_graphs=True",
 }
 # A replicate curve counts as linear when a straight line explains this much of its variance.
@@ -187,16 +186,13 @@ def _replicate_target(run: Run) -> Verdict:
         in_run = r.get("bench") == "replicate" and num(r.get("gpus")) == GPUS
         if in_run and r.get("model") not in models:
             models.append(r.get("model"))
-    parts, default_ok, peer_ok, missing = [], True, True, []
+    parts, default_ok, missing = [], True, []
     for model in models:
         s = _replicate_speedup(run, model, "torchdp_replicate")
-        peer = _replicate_speedup(run, model, "torchdp_replicate_peer")
         bound = num(
             (run.find("replicate", model, "torchdp_replicate", GPUS) or {}).get("bound_vs_torch")
         )
         text = f"{model} {fmt_x(s)}"
-        if peer is not None:
-            text += f" (peer copies {fmt_x(peer)})"
         if bound is not None and s is not None and s < 5.0:
             text += f", broadcast alone bounds it at {fmt_x(bound)}"
         parts.append(text)
@@ -204,14 +200,12 @@ def _replicate_target(run: Run) -> Verdict:
             missing.append(model)
             continue
         default_ok = default_ok and s >= 5.0
-        peer_ok = peer_ok and (s >= 5.0 or (peer is not None and peer >= 5.0))
     if not models:
         return Verdict(figure, ">= 5x", "—", NOT_MEASURED)
     if missing and default_ok:  # nothing failed; some model has no torchdp figure
         parts.append("no torchdp_replicate record: " + ", ".join(missing))
         return Verdict(figure, ">= 5x", "; ".join(parts), NOT_MEASURED)
-    options = [] if default_ok or not peer_ok else ["TORCHDP_PEER_BROADCAST"]
-    return Verdict(figure, ">= 5x", "; ".join(parts), _verdict(default_ok, options))
+    return Verdict(figure, ">= 5x", "; ".join(parts), _verdict(default_ok, []))
 
 
 def linear_fit(points: list[tuple[float, float]]) -> tuple[float, float, float]:

@@ -271,21 +271,6 @@ void init_core(py::module_& m) {
         }),
         R"doc(True when torchdp was compiled with its NCCL transport.)doc");
 
-  m.def(
-      "deferred_gradient_sums", wrap_pybind_function_no_gil([]() {
-        return torchdp::autograd::deferred_gradient_sums();
-      }),
-      R"doc(How many gradient bucket sums went to their parameters without a stream wait of their own
-since the process started (TORCHDP_GRAD_DELIVERY=bucket: AccumulateGrad takes them without reading
-them, and the pass's last bucket waits once for all).)doc");
-
-  m.def("check_environment", wrap_pybind_function_no_gil([](bool bucket_size) {
-          torchdp::autograd::check_environment(bucket_size);
-        }),
-        py::arg("bucket_size"),
-        R"doc(Parses TORCHDP_GRAD_DELIVERY (and TORCHDP_GRAD_BUCKET_MB when ``bucket_size``) now and
-raises RuntimeError for a bad value, as the next differentiable broadcast would.)doc");
-
   m.def("cuda_device_count", wrap_pybind_function_no_gil([]() {
           return torchdp::cuda_device_count();
         }),

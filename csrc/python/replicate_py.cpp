@@ -1257,8 +1257,7 @@ dictionary operations (the same result as PyTorch's Python code, much faster); t
 _replicate_for_data_parallel() and setattr. Custom __setattr__ overrides that swallow the assignment
 are repaired (with a one-time UserWarning per class and attribute). The original's tensors are never
 written. Raises RuntimeError for a ScriptModule with Python modules below it. grad_bucket_bytes sets
-the gradient bucket size of the parameters' backward (default: TORCHDP_GRAD_BUCKET_MB, else 25 MiB;
-0: one bucket). With report=True it returns (copies, plain_only): plain_only is True when every
+the gradient bucket size of the parameters' backward (default 25 MiB; 0: one bucket). With report=True it returns (copies, plain_only): plain_only is True when every
 module was built with dictionary operations and none is compiled, so that every registered tensor of
 the replicas is on its device by construction (only hooks and callbacks can move them).)doc");
   py::class_<ReplicaCache>(m, "ReplicaCache", R"doc(Replicas kept between the forwards of one

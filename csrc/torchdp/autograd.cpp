@@ -11,25 +11,18 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 #include <c10/util/irange.h>
-#include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
-#include <torch/csrc/autograd/functions/accumulate_grad.h>
-#include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/input_buffer.h>
-#include <torch/csrc/autograd/utils/grad_layout_contract.h>
 #include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
-#include <cstdlib>
 #include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <type_traits>
-#include <unordered_map>
 #include <utility>
 
 namespace torchdp::autograd {
@@ -159,26 +152,6 @@ size_t mib_to_bytes(double mib) {
   return static_cast<size_t>(std::min(mib * 1024 * 1024, kMaxBytes));
 }
 
-// TORCHDP_GRAD_BUCKET_MB: the bucket size in MiB (default 25, as DistributedDataParallel); 0 puts
-// every tensor in one bucket, reduced after the whole backward pass, on the current streams.
-size_t bucket_size_from_environment() {
-  const char* env = std::getenv("TORCHDP_GRAD_BUCKET_MB");
-  if (env == nullptr || *env == '\0') {
-    return kDefaultGradBucketSize;
-  }
-  // A plain decimal number only: strtod alone would also take leading blanks, hex and "inf".
-  const std::string text(env);
-  const bool plain = text.find_first_not_of("0123456789.eE+-") == std::string::npos;
-  char* end = nullptr;
-  const double mib = std::strtod(env, &end);
-  TORCH_CHECK(
-      plain && end != env && *end == '\0' && mib >= 0 && std::isfinite(mib),
-      "torchdp: TORCHDP_GRAD_BUCKET_MB must be a non-negative number of MiB (0: one bucket, "
-      "no overlap), got '",
-      env, "'");
-  return mib_to_bytes(mib);
-}
-
 // The reduction stream of a CUDA device (null for other devices, and when overlap is off).
 std::optional<c10::Stream> reduction_stream(c10::Device device) {
   if (!device.is_cuda()) {
@@ -277,295 +250,6 @@ std::vector<std::vector<size_t>> gradient_buckets(at::TensorList tensors, size_t
   return buckets;
 }
 
-// Note [Delivering bucket sums directly]
-// TORCHDP_GRAD_DELIVERY=bucket (experimental; the default is "join"): when every broadcast tensor
-// that needs a gradient is a leaf (a module's parameters), each bucket node passes its sums
-// straight to those tensors' gradient edges (their AccumulateGrad nodes), so gradients reach .grad
-// while the backward pass still runs, instead of all at once through the join after the last
-// bucket. The sums were made on the side stream, but the engine believes them made on the source
-// device's forward stream, so before anything reads them there that stream must wait for the
-// reduction. When is "before anything reads them"?
-//   * Deferred: AccumulateGrad takes a sum as the parameter's .grad without reading it (it steals
-//     the tensor: no kernel) when the pass accumulates into .grad (backward() without inputs=) and
-//     builds no graph (no create_graph), .grad is still undefined, nothing else holds the sum, it
-//     is in the layout AccumulateGrad keeps, no hook of any kind sits on the parameter or its
-//     AccumulateGrad node, and the bucket node is the only producer of that gradient in the pass
-//     (a weight also used outside the replicas, or a module replicated twice in one forward, gets
-//     a second gradient, which the engine adds to the sum on the forward stream). The pass's graph
-//     is scanned once, by its first bucket node, for the in-degree of every AccumulateGrad of the
-//     broadcast and for which bucket nodes it holds (every node of an accumulating pass runs). A
-//     bucket whose sums are all taken this way makes no stream wait; the last bucket node of the
-//     pass makes the forward stream wait for the side stream once, after its own reduction, which
-//     covers every bucket before it (the last bucket holds the first layers, whose gradients come
-//     last: little of the backward is left behind that wait).
-//   * Waited for: any other sum makes the forward stream wait for its bucket's reduction before
-//     the node returns (the CPU enqueues that wait far ahead of the GPU in a GPU-bound step).
-// A bucket none of whose copies took part in the forward never runs; its tensors get zero
-// gradients at the end of the pass from an engine callback, queued by the first bucket node that
-// runs, which sets .grad to zeros where it is still undefined -- in passes that accumulate into
-// .grad only: torch.autograd.grad and backward(inputs=...) leave those tensors without a gradient
-// where the join gives zeros, and the zeros skip gradient hooks. The same callback checks that
-// AccumulateGrad did take every deferred sum as it is; if a torch release ever copied one instead
-// (a kernel that may have read it before the reduction ended), it warns and stops deferring.
-// deferred_gradient_sums() counts the sums handed on without a wait of their own.
-bool deliver_per_bucket() {
-  const char* env = std::getenv("TORCHDP_GRAD_DELIVERY");
-  if (env == nullptr || *env == '\0') {
-    return false;
-  }
-  const std::string mode(env);
-  TORCH_CHECK(mode == "join" || mode == "bucket",
-              "torchdp: TORCHDP_GRAD_DELIVERY must be 'join' (the default) or 'bucket', got '",
-              mode, "'");
-  return mode == "bucket";
-}
-
-std::atomic<int64_t> deferred_sums{0};
-std::atomic<bool> deferring_allowed{true}; // off after a deferred sum was not taken as it was
-
-// Which buckets of one broadcast ran in each backward pass, the zeros for those that did not, and
-// the stream waits deferred to the pass's last bucket (Note [Delivering bucket sums directly]).
-class BucketDelivery : public std::enable_shared_from_this<BucketDelivery> {
- public:
-  BucketDelivery(std::vector<at::Tensor> tensors, std::vector<std::vector<size_t>> buckets)
-      : tensors_(std::move(tensors)), buckets_(std::move(buckets)), nodes_(buckets_.size()) {}
-
-  // The index among the broadcast's tensors of slot `slot` of bucket `bucket`.
-  size_t tensor_index(size_t bucket, size_t slot) const {
-    return buckets_[bucket][slot];
-  }
-
-  // Bucket `bucket`'s node (for identity only: never dereferenced); a node clears its entry when
-  // it is destroyed, so that a later node at the same address is not counted as this bucket.
-  void set_node(size_t bucket, const Node* node) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    nodes_[bucket] = node;
-  }
-
-  // Called by bucket node `bucket` when it runs, on an autograd thread of the pass.
-  void ran(size_t bucket) {
-    const int task = torch::autograd::get_current_graph_task_id();
-    std::lock_guard<std::mutex> lock(mutex_);
-    auto it = passes_.find(task);
-    if (it == passes_.end()) {
-      const auto* info = torch::autograd::get_current_graph_task_exec_info();
-      Pass pass;
-      pass.ran.assign(buckets_.size(), false);
-      pass.accumulating = info == nullptr || info->empty();
-      if (pass.accumulating && deferring_allowed.load()) {
-        scan(pass);
-      }
-      it = passes_.emplace(task, std::move(pass)).first;
-      // The engine runs its callbacks only when the pass succeeds; a pass that fails destroys
-      // them with its graph task, and the guard then ends the pass (PassGuard).
-      auto guard = std::make_shared<PassGuard>(weak_from_this(), task);
-      torch::autograd::Engine::get_default_engine().queue_callback([guard] {
-        if (auto self = guard->delivery.lock()) {
-          guard->finished = true;
-          self->finish(guard->task);
-        }
-      });
-    }
-    it->second.ran[bucket] = true;
-  }
-
-  // True when `sum`, the gradient of tensor k about to go through `edge`, needs no stream wait
-  // before the end of the pass's last bucket: AccumulateGrad will take it without reading it, on
-  // `forward` (the bucket node's stream), which the last bucket makes wait for `side` (both unset
-  // without side streams: CPU devices, which have one stream each).
-  bool may_defer(size_t k, const Edge& edge, const at::Tensor& sum,
-                 const std::optional<c10::Stream>& forward,
-                 const std::optional<c10::Stream>& side) {
-    if (c10::GradMode::is_enabled() || !deferring_allowed.load()) {
-      return false; // create_graph: AccumulateGrad would copy the sum
-    }
-    const auto& t = tensors_[k];
-    auto* acc = dynamic_cast<torch::autograd::AccumulateGrad*>(edge.function.get());
-    if (acc == nullptr || !acc->variable.defined() ||
-        acc->variable.unsafeGetTensorImpl() != t.unsafeGetTensorImpl()) {
-      return false;
-    }
-    // AccumulateGrad must run on the stream the deferred wait will be made on: one kept from an
-    // earlier step (cached replicas keep last step's nodes) may have another.
-    if (forward && acc->stream() != forward) {
-      return false;
-    }
-    if (!acc->pre_hooks().empty() || !acc->tensor_pre_hooks().empty() ||
-        !acc->retains_grad_hooks().empty() || !acc->post_hooks().empty() ||
-        acc->tensor_post_acc_grad_hooks() != nullptr) {
-      return false;
-    }
-    if (t.grad().defined() || t.layout() != c10::kStrided || t.is_nested() ||
-        sum.layout() != c10::kStrided || sum.use_count() != 1 || sum.sizes() != t.sizes() ||
-        sum.scalar_type() != t.scalar_type() || sum.device() != t.device() ||
-        !torch::autograd::utils::obeys_layout_contract(sum, t)) {
-      return false;
-    }
-    const int task = torch::autograd::get_current_graph_task_id();
-    std::lock_guard<std::mutex> lock(mutex_);
-    auto it = passes_.find(task);
-    if (it == passes_.end() || !it->second.scanned) {
-      return false;
-    }
-    auto& pass = it->second;
-    auto producers = pass.producers.find(acc);
-    if (producers == pass.producers.end() || producers->second != 1) {
-      return false;
-    }
-    pass.deferred.emplace_back(k, sum.data_ptr());
-    if (forward && side) {
-      pass.streams.emplace(*forward, *side);
-    }
-    return true;
-  }
-
-  // Called by a bucket node after its sums: true when the forward stream must now wait for the
-  // side stream because this is the pass's last bucket node and some wait was deferred to it.
-  bool last_deferred_bucket() {
-    const int task = torch::autograd::get_current_graph_task_id();
-    std::lock_guard<std::mutex> lock(mutex_);
-    auto it = passes_.find(task);
-    if (it == passes_.end()) {
-      return false;
-    }
-    auto& pass = it->second;
-    ++pass.buckets_run;
-    return !pass.deferred.empty() && pass.buckets_run >= pass.buckets_in_graph;
-  }
-
- private:
-  // Held by the pass's engine callback: when the callback is destroyed without having run (the
-  // pass raised), the pass is ended here, and the forward stream still waits for deferred sums.
-  struct PassGuard {
-    PassGuard(std::weak_ptr<BucketDelivery> d, int t) : delivery(std::move(d)), task(t) {}
-    PassGuard(const PassGuard&) = delete;
-    PassGuard& operator=(const PassGuard&) = delete;
-    ~PassGuard() {
-      if (finished) {
-        return;
-      }
-      if (auto self = delivery.lock()) {
-        self->abandon(task);
-      }
-    }
-    std::weak_ptr<BucketDelivery> delivery;
-    int task;
-    bool finished = false;
-  };
-
-  struct Pass {
-    std::vector<bool> ran;     // per bucket
-    bool accumulating = false; // backward() without inputs=
-    bool scanned = false;      // the graph was scanned
-    size_t buckets_in_graph = 0;
-    size_t buckets_run = 0;
-    std::unordered_map<const Node*, int> producers; // in-degree of each tensor's AccumulateGrad
-    std::vector<std::pair<size_t, const void*>> deferred;       // tensor index, data of its sum
-    std::optional<std::pair<c10::Stream, c10::Stream>> streams; // forward, side (when deferred)
-  };
-
-  // A pass that raised: sums it deferred may sit in .grad already, so the forward stream waits
-  // for the reductions now (never throws: it runs in a destructor).
-  void abandon(int task) noexcept {
-    std::optional<std::pair<c10::Stream, c10::Stream>> streams;
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      auto it = passes_.find(task);
-      if (it == passes_.end()) {
-        return;
-      }
-      streams = it->second.streams;
-      passes_.erase(it);
-    }
-    if (streams) {
-      try {
-        stream_waits_for(streams->first, streams->second);
-      } catch (...) {
-        // The failed pass's own error is the one the caller sees.
-      }
-    }
-  }
-
-  // Counts, in the pass's graph, the edges that lead to each tensor's AccumulateGrad node and the
-  // bucket nodes of this broadcast.
-  void scan(Pass& pass) const {
-    const auto* nodes = torch::autograd::get_current_graph_task_nodes_in_graph();
-    if (nodes == nullptr) {
-      return; // unknown: nothing is deferred
-    }
-    for (const auto& t : tensors_) {
-      if (t.requires_grad() && t.is_leaf()) {
-        if (auto acc = torch::autograd::impl::try_get_grad_accumulator(t)) {
-          pass.producers.emplace(acc.get(), 0);
-        }
-      }
-    }
-    for (const Node* node : *nodes) {
-      for (const auto& edge : node->next_edges()) {
-        if (const Node* next = edge.function.get()) {
-          auto it = pass.producers.find(next);
-          if (it != pass.producers.end()) {
-            ++it->second;
-          }
-        }
-      }
-    }
-    for (const Node* node : nodes_) {
-      if (node != nullptr && nodes->count(const_cast<Node*>(node)) != 0) {
-        ++pass.buckets_in_graph;
-      }
-    }
-    pass.scanned = pass.buckets_in_graph > 0;
-  }
-
-  // Engine callback at the end of a pass that ran a bucket, with the caller's current streams.
-  void finish(int task) {
-    Pass pass;
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      auto it = passes_.find(task);
-      if (it == passes_.end()) {
-        return;
-      }
-      pass = std::move(it->second);
-      passes_.erase(it);
-    }
-    for (const auto& [k, data] : pass.deferred) {
-      const auto& grad = tensors_[k].grad();
-      if (!grad.defined() || grad.data_ptr() != data) {
-        deferring_allowed.store(false);
-        TORCH_WARN_ONCE(
-            "torchdp: AccumulateGrad did not take a gradient bucket's sum as it was (parameter ", k,
-            " of a broadcast), which TORCHDP_GRAD_DELIVERY=bucket relies on to defer its "
-            "stream waits; its gradient may have been read before its reduction ended. Deferred "
-            "waits are now off in this process; use TORCHDP_GRAD_DELIVERY=join (the default).");
-        break;
-      }
-    }
-    if (!pass.accumulating) {
-      return;
-    }
-    at::NoGradGuard no_grad;
-    for (const auto b : c10::irange(buckets_.size())) {
-      if (pass.ran[b]) {
-        continue;
-      }
-      for (auto k : buckets_[b]) {
-        auto& t = tensors_[k];
-        if (t.requires_grad() && t.is_leaf() && !t.grad().defined()) {
-          t.mutable_grad() = at::zeros_like(t);
-        }
-      }
-    }
-  }
-
-  std::vector<at::Tensor> tensors_;
-  std::vector<std::vector<size_t>> buckets_;
-  std::vector<const Node*> nodes_; // per bucket
-  std::mutex mutex_;
-  std::map<int, Pass> passes_; // per graph task
-};
-
 // Where the buckets' sums meet: one slot per broadcast tensor, one edge to each tensor's own
 // gradient edge. A bucket whose copies took no part in the forward never runs, so its slots stay
 // empty and get zeros here, as a single reduction would give them (a parameter that needs a
@@ -600,25 +284,13 @@ struct BroadcastJoin : Node {
 // device j, outputs to the bucket's slots of the BroadcastJoin.
 struct BroadcastBackward : Node {
   BroadcastBackward(c10::Device source, std::vector<c10::Device> devices, size_t num_inputs,
-                    size_t buffer_size, std::vector<std::optional<c10::Stream>> side_streams,
-                    std::shared_ptr<BucketDelivery> delivery = nullptr, size_t bucket_index = 0)
+                    size_t buffer_size, std::vector<std::optional<c10::Stream>> side_streams)
       : Node(kRunWhenReady),
         source_(source),
         devices_(std::move(devices)),
         num_inputs_(num_inputs),
         buffer_size_(buffer_size),
-        side_streams_(std::move(side_streams)),
-        delivery_(std::move(delivery)),
-        bucket_index_(bucket_index) {}
-
-  BroadcastBackward(const BroadcastBackward&) = delete;
-  BroadcastBackward& operator=(const BroadcastBackward&) = delete;
-
-  ~BroadcastBackward() override {
-    if (delivery_) {
-      delivery_->set_node(bucket_index_, nullptr); // this address may be reused by another node
-    }
-  }
+        side_streams_(std::move(side_streams)) {}
 
   std::string name() const override {
     return "torchdp::BroadcastBackward";
@@ -635,9 +307,6 @@ struct BroadcastBackward : Node {
       }
     }
     variable_list result(num_inputs_);
-    if (delivery_) {
-      delivery_->ran(bucket_index_);
-    }
     if (wanted.empty()) {
       return result;
     }
@@ -672,7 +341,6 @@ struct BroadcastBackward : Node {
     }
     auto sums = reduce_add_coalesced(per_device, source_, buffer_size_);
     const void* recorded = nullptr; // consecutive sums are views of one flat buffer
-    bool wait_now = false;
     for (const auto i : c10::irange(wanted.size())) {
       if (node_stream && !sums[i].has_storage()) {
         record_on(sums[i], *node_stream); // sparse: its indices and values
@@ -680,23 +348,7 @@ struct BroadcastBackward : Node {
         record_on(sums[i], *node_stream);
         recorded = sums[i].storage().data();
       }
-      if (delivery_ &&
-          !delivery_->may_defer(delivery_->tensor_index(bucket_index_, wanted[i]),
-                                next_edge(wanted[i]), sums[i], node_stream, side_streams_[0])) {
-        wait_now = true;
-      }
       result[wanted[i]] = std::move(sums[i]);
-    }
-    if (delivery_ && !wait_now) {
-      deferred_sums.fetch_add(static_cast<int64_t>(wanted.size()), std::memory_order_relaxed);
-    }
-    if (delivery_ && node_stream) {
-      // The sums go to their consumers on the forward stream (Note [Delivering bucket sums
-      // directly]): order it after the reductions, now or at the pass's last bucket.
-      const bool last = delivery_->last_deferred_bucket();
-      if (wait_now || last) {
-        stream_waits_for(*node_stream, *side_streams_[0]);
-      }
     }
     return result;
   }
@@ -747,9 +399,6 @@ struct BroadcastBackward : Node {
   size_t buffer_size_;
   // Per device; all set (every device is a CUDA device) or all empty (the current streams).
   std::vector<std::optional<c10::Stream>> side_streams_;
-  // Set when the sums go straight to the tensors' gradient edges (no join).
-  std::shared_ptr<BucketDelivery> delivery_;
-  size_t bucket_index_;
 };
 
 struct ReduceAddBackward : Node {
@@ -888,43 +537,26 @@ std::vector<std::vector<at::Tensor>> broadcast_coalesced(at::TensorList tensors,
     }
   }
   const auto buckets = gradient_buckets(tensors, bucket_size);
-  // Note [Delivering bucket sums directly]: only when every tensor that needs a gradient is a leaf.
-  const bool direct =
-      deliver_per_bucket() && std::all_of(tensors.begin(), tensors.end(), [](const at::Tensor& t) {
-        return !t.requires_grad() || t.is_leaf();
-      });
-  NodePtr join;
-  std::shared_ptr<BucketDelivery> delivery;
-  if (direct) {
-    delivery = std::make_shared<BucketDelivery>(tensors.vec(), buckets);
-  } else {
-    join = make_node<BroadcastJoin>(source, side[0]);
-    join->set_next_edges(edges_of(tensors));
-    for (const auto& t : tensors) {
-      join->add_input_metadata(t); // on the forward's current stream, where gradients are consumed
-    }
+  auto join = make_node<BroadcastJoin>(source, side[0]);
+  join->set_next_edges(edges_of(tensors));
+  for (const auto& t : tensors) {
+    join->add_input_metadata(t); // on the forward's current stream, where gradients are consumed
   }
   // A bucket reduces in one piece: split into buffer_size chunks (10 MiB by default, less than a
   // 25 MiB bucket), every chunk would cost its own packing copies and reduction launch on the
   // device thread that runs the node, which also launches that device's backward kernels.
   const size_t reduce_buffer_size =
       bucket_size > 0 ? std::max(buffer_size, bucket_size) : buffer_size;
-  for (const auto b : c10::irange(buckets.size())) {
-    const auto& bucket = buckets[b];
-    auto node = make_node<BroadcastBackward>(source, devices, bucket.size(), reduce_buffer_size,
-                                             side, delivery, b);
-    if (delivery) {
-      delivery->set_node(b, node.get());
-    }
+  for (const auto& bucket : buckets) {
+    auto node =
+        make_node<BroadcastBackward>(source, devices, bucket.size(), reduce_buffer_size, side);
     torch::autograd::edge_list next;
     next.reserve(bucket.size());
     for (auto k : bucket) {
-      if (!tensors[k].requires_grad()) {
-        next.emplace_back();
-      } else if (direct) {
-        next.push_back(torch::autograd::impl::gradient_edge(tensors[k]));
-      } else {
+      if (tensors[k].requires_grad()) {
         next.emplace_back(join, static_cast<uint32_t>(k));
+      } else {
+        next.emplace_back();
       }
     }
     node->set_next_edges(std::move(next));
@@ -1031,19 +663,8 @@ at::Tensor gather(at::TensorList inputs_in, c10::Device destination, int64_t dim
   return output;
 }
 
-int64_t deferred_gradient_sums() {
-  return deferred_sums.load(std::memory_order_relaxed);
-}
-
-void check_environment(bool bucket_size) {
-  if (bucket_size) {
-    (void)bucket_size_from_environment();
-  }
-  (void)deliver_per_bucket();
-}
-
 size_t grad_bucket_size() {
-  return bucket_size_override ? *bucket_size_override : bucket_size_from_environment();
+  return bucket_size_override.value_or(kDefaultGradBucketSize);
 }
 
 GradBucketSizeGuard::GradBucketSizeGuard(size_t bytes) : previous_(bucket_size_override) {

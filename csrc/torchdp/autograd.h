@@ -24,12 +24,11 @@
 namespace torchdp::autograd {
 
 /// Default size of the gradient buckets of broadcast_coalesced's backward (25 MiB, as
-/// DistributedDataParallel); the environment variable TORCHDP_GRAD_BUCKET_MB overrides it (0: one
-/// bucket, reduced after the whole backward pass).
+/// DistributedDataParallel).
 constexpr size_t kDefaultGradBucketSize = 25 * 1024 * 1024;
 
 /// The gradient bucket size that differentiable broadcasts made on this thread use: the innermost
-/// active GradBucketSizeGuard's, else TORCHDP_GRAD_BUCKET_MB, else kDefaultGradBucketSize.
+/// active GradBucketSizeGuard's, else kDefaultGradBucketSize.
 size_t grad_bucket_size();
 
 /// Sets the gradient bucket size (bytes; 0: one bucket) of differentiable broadcasts made on this
@@ -44,17 +43,6 @@ class GradBucketSizeGuard {
  private:
   std::optional<size_t> previous_;
 };
-
-/// How many gradient bucket sums, since the process started, went to their parameters without a
-/// stream wait of their own, their bucket's wait deferred to the pass's last bucket
-/// (TORCHDP_GRAD_DELIVERY=bucket; see Note [Delivering bucket sums directly] in autograd.cpp).
-int64_t deferred_gradient_sums();
-
-/// Parses the environment variables that differentiable broadcasts read (TORCHDP_GRAD_DELIVERY,
-/// and TORCHDP_GRAD_BUCKET_MB when `bucket_size` is true) and throws the errors they would throw,
-/// so that a bad value fails where a DataParallel is made instead of at its first training
-/// forward. They are still read at every broadcast.
-void check_environment(bool bucket_size);
 
 /// Bytes of a bucket size given in MiB (as DDP's bucket_cap_mb), checked: finite and >= 0.
 size_t bucket_bytes_from_mib(double mib, const char* api);

@@ -1,6 +1,5 @@
 #include <torchdp/comm.h>
 #include <torchdp/config.h>
-#include <torchdp/cuda/peer_copy.h>
 #include <torchdp/devices.h>
 #include <torchdp/profiling.h>
 #if TORCHDP_WITH_NCCL
@@ -13,12 +12,7 @@
 #include <c10/util/Exception.h>
 #include <c10/util/irange.h>
 
-#include <algorithm>
-#include <cstdlib>
-#include <limits>
 #include <map>
-#include <string>
-#include <numeric>
 
 namespace torchdp::comm {
 namespace {
@@ -78,7 +72,7 @@ at::Tensor view_into(const at::Tensor& flat, int64_t offset, c10::IntArrayRef si
 }
 
 // `t` with its lazy conjugate and negative bits materialised (itself when it has none): transports
-// that copy bytes (NCCL, peer copies) must not send the bytes of a conj() or neg() view.
+// that copy bytes (NCCL) must not send the bytes of a conj() or neg() view.
 // The bit checks come first: the per-tensor dispatcher calls of resolve_conj()/resolve_neg() add up
 // over the hundreds of parameters of a broadcast.
 at::Tensor resolved(const at::Tensor& t) {
@@ -130,25 +124,9 @@ void unflatten_into(const at::Tensor& flat, const std::vector<at::Tensor>& like,
 #if TORCHDP_WITH_NCCL
 // Note [Direct NCCL broadcast]
 // Over NCCL, broadcast_coalesced sends every tensor from where it lives, all in one NCCL group,
-// into views of one fresh buffer per bucket and target device. The alternative, flattening each
-// bucket into a staging buffer on the source device and broadcasting that, costs a copy of every
-// tensor on the source GPU and a group per bucket. Measured on 2x H200 (NVLink, NCCL 2.28.9),
-// torchdp.replicate of the 12-layer transformer (340 MB): 2.86 ms flattened, 1.42 ms direct;
-// ResNet-50 2.00 vs 1.58 ms (tests/gpu-runs/2026-12-01-nvidia-h200-x2/).
-// TORCHDP_NCCL_BROADCAST=flat selects the flattened way.
-bool direct_nccl_broadcast() {
-  static const bool direct = [] {
-    const char* v = std::getenv("TORCHDP_NCCL_BROADCAST");
-    const std::string mode = v == nullptr ? "" : v;
-    TORCH_CHECK(mode.empty() || mode == "flat" || mode == "direct",
-                "torchdp: TORCHDP_NCCL_BROADCAST must be 'flat' or 'direct', got '", mode, "'");
-    return mode != "flat";
-  }();
-  return direct;
-}
-
-// Note [Direct NCCL broadcast]: every bucket gets one fresh buffer per target device, the outputs
-// are views of it, and all tensors are sent in one NCCL group, without a staging copy.
+// into views of one fresh buffer per bucket and target device. Flattening each bucket into a
+// staging buffer on the source first would cost a copy of every tensor on the source GPU and a
+// group per bucket; it measured slower (benchmarks/results).
 void broadcast_direct(const std::vector<at::Tensor>& inputs, const std::vector<Bucket>& buckets,
                       const std::vector<c10::Device>& devices,
                       std::vector<std::vector<at::Tensor>>& outputs) {
@@ -173,24 +151,6 @@ void broadcast_direct(const std::vector<at::Tensor>& inputs, const std::vector<B
   nccl::broadcast_each(sources, destinations, devices);
 }
 #endif
-
-// Note [Peer-copy broadcast] (cuda/peer_copy.h): one flat buffer per dtype, peer-copied to every
-// target over `streams` streams; the outputs are views of the targets' buffers.
-void broadcast_peer(const std::vector<at::Tensor>& inputs, const std::vector<c10::Device>& devices,
-                    std::vector<std::vector<at::Tensor>>& outputs, int streams) {
-  // make_buckets with no size limit: one bucket per dtype (the caller sends only dense tensors).
-  std::vector<size_t> singles;
-  for (const auto& group : make_buckets(inputs, std::numeric_limits<size_t>::max(), singles)) {
-    bool fresh = false;
-    const auto flat = flatten(inputs, group, fresh);
-    for (size_t j = 1; j < devices.size(); ++j) {
-      const auto target = at::empty({flat.numel()}, flat.options().device(devices[j]));
-      // A lone tensor is sent from the caller's own memory: its later writes wait for the copy.
-      detail::peer_copy(flat, target, streams, /*source_waits=*/!fresh);
-      unflatten_into(target, inputs, group, outputs[j]);
-    }
-  }
-}
 
 // Copies into CUDA memory are queued on the destination's current stream; a copy into host memory
 // must be complete when it returns, since the caller reads it on the CPU.
@@ -248,44 +208,17 @@ std::vector<std::vector<at::Tensor>> broadcast_coalesced(at::TensorList tensors,
     outputs[j].resize(inputs.size());
   }
 
-  const int peer_streams = detail::peer_broadcast_streams();
-  if (peer_streams > 0 &&
-      std::all_of(devices.begin(), devices.end(),
-                  [](c10::Device d) {
-                    return d.is_cuda();
-                  }) &&
-      std::all_of(inputs.begin(), inputs.end(), is_plain_dense)) {
-    broadcast_peer(inputs, devices, outputs, peer_streams);
-    return outputs;
-  }
   std::vector<size_t> singles;
-  const auto buckets = make_buckets(inputs, buffer_size, singles);
-  bool direct = false;
+  auto buckets = make_buckets(inputs, buffer_size, singles);
 #if TORCHDP_WITH_NCCL
-  const bool use_nccl = nccl::usable(devices);
-  direct = use_nccl && direct_nccl_broadcast();
-  if (direct) {
+  if (nccl::usable(devices)) {
     broadcast_direct(inputs, buckets, devices, outputs);
+    buckets.clear(); // all sent
   }
 #endif
-  const std::vector<Bucket> none; // the direct broadcast sent them all
-  for (const auto& bucket : direct ? none : buckets) {
+  for (const auto& bucket : buckets) {
     bool fresh = false;
     const auto flat = flatten(inputs, bucket, fresh);
-#if TORCHDP_WITH_NCCL
-    if (use_nccl) {
-      std::vector<at::Tensor> buffers(devices.size());
-      buffers[0] = flat;
-      for (size_t j = 1; j < devices.size(); ++j) {
-        buffers[j] = at::empty({flat.numel()}, flat.options().device(devices[j]));
-      }
-      nccl::broadcast(buffers, devices);
-      for (size_t j = 1; j < devices.size(); ++j) {
-        unflatten_into(buffers[j], inputs, bucket, outputs[j]);
-      }
-      continue;
-    }
-#endif
     // A target on the source's own device (replicas sharing a device, CPU device lists) takes the
     // fresh flat copy itself, once, instead of a second copy of it.
     bool flat_given = !fresh;

@@ -62,9 +62,6 @@ void DataParallelImpl::init(std::shared_ptr<torch::nn::Module> module, Wrap wrap
   if (options.bucket_cap_mb()) {
     autograd::bucket_bytes_from_mib(*options.bucket_cap_mb(), kApi); // checked at construction
   }
-  if (!device_ids_.empty()) { // the pass-through wrapper (no devices) never broadcasts
-    autograd::check_environment(/*bucket_size=*/!options.bucket_cap_mb());
-  }
   if (options.cuda_graphs()) {
     detail::check_cuda_graphs(device_ids_, kApi);
   }

@@ -42,7 +42,7 @@ struct DataParallelOptions {
   TORCH_ARG(bool, place_module) = false;
   /// Size in MiB of the gradient buckets reduced while the backward pass runs (as DDP's
   /// bucket_cap_mb; 0: one bucket, reduced at the end; the first bucket, holding the last
-  /// parameters, is at most 1 MiB, as DDP's). Default: TORCHDP_GRAD_BUCKET_MB, else 25.
+  /// parameters, is at most 1 MiB, as DDP's). Default: 25.
   TORCH_ARG(std::optional<double>, bucket_cap_mb) = std::nullopt;
   /// Keep the replicas between forwards and replay each replica's forward and backward as CUDA
   /// graphs, captured once per input signature (up to 8; others run eagerly). For modules bound

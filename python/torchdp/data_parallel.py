@@ -237,7 +237,7 @@ class DataParallel(_TorchDataParallel[T]):
         bucket_cap_mb (float, keyword-only): size in MiB of the gradient buckets reduced while
             the backward pass runs, as DDP's ``bucket_cap_mb`` (``0``: one bucket, reduced at the
             end); as in DDP the first bucket (the last parameters) holds at most 1 MiB, so that
-            the first reduction starts early. Default: ``TORCHDP_GRAD_BUCKET_MB``, else 25.
+            the first reduction starts early. Default: 25.
         stale_attributes (str, keyword-only): what to do with plain (unregistered) attributes of
             the replicas on the other devices that still hold tensors on ``device_ids[0]`` or the
             module's own submodules, directly or inside lists, tuples and dicts (a non-buffer
@@ -347,7 +347,6 @@ class DataParallel(_TorchDataParallel[T]):
                 devices, device_ids, output_device, "torchdp.DataParallel"
             )
             _check_module(module, "torchdp.DataParallel")
-            _C.check_environment(bucket_cap_mb is None)  # a bad TORCHDP_GRAD_* fails here
             self.dim = dim
             self.module = module
             self.device_ids = device_list
@@ -378,7 +377,6 @@ class DataParallel(_TorchDataParallel[T]):
             output_device = device_ids[0]
 
         _check_module(module, "torchdp.DataParallel")
-        _C.check_environment(bucket_cap_mb is None)
         self.dim = dim
         self.module = module
         self.device_ids = [_get_device_index(x, True) for x in device_ids]

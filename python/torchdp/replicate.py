@@ -174,7 +174,7 @@ def replicate(
         detach (bool, optional): replicate without autograd history. Default: ``False``.
         bucket_cap_mb (float, keyword-only, optional): size in MiB of the gradient buckets that
             are reduced while the backward pass runs (as DDP's ``bucket_cap_mb``; ``0``: one
-            bucket, reduced at the end). Default: ``TORCHDP_GRAD_BUCKET_MB``, else 25.
+            bucket, reduced at the end). Default: 25.
         stale_attributes (str, keyword-only, optional): what to do, after the hooks, with plain
             (unregistered) attributes of the replicas on other devices than ``devices[0]`` that
             still hold tensors on ``devices[0]`` or the network's own modules, directly or in

@@ -510,23 +510,11 @@ TEST_CASE("autograd layer errors name the API", "[cpu][autograd]") {
 // ---------------------------------------------------------------------------------------------
 // Gradient buckets (autograd.cpp, Note [Gradient buckets and reduction streams])
 
-namespace {
-
-// TORCHDP_GRAD_BUCKET_MB and TORCHDP_GRAD_DELIVERY for the scope of a test.
-struct BucketSizeEnv : torchdp_test::ScopedEnv {
-  explicit BucketSizeEnv(const char* mib)
-      : torchdp_test::ScopedEnv("TORCHDP_GRAD_BUCKET_MB", mib) {}
-};
-struct DeliveryEnv : torchdp_test::ScopedEnv {
-  explicit DeliveryEnv(const char* mode) : torchdp_test::ScopedEnv("TORCHDP_GRAD_DELIVERY", mode) {}
-};
-
-} // namespace
-
 TEST_CASE("autograd::broadcast_coalesced reduces in buckets with the same sums",
           "[cpu][autograd]") {
-  const char* mib = GENERATE("0", "0.000001", "0.0001", "25");
-  BucketSizeEnv env(mib);
+  const double mib = GENERATE(0.0, 0.000001, 0.0001, 25.0);
+  const torchdp::autograd::GradBucketSizeGuard guard(
+      torchdp::autograd::bucket_bytes_from_mib(mib, "test"));
   std::vector<torch::Tensor> leaves;
   for (int64_t i = 0; i < 6; ++i) {
     leaves.push_back(leaf({i + 2, 3}));
@@ -550,7 +538,7 @@ TEST_CASE("autograd::broadcast_coalesced reduces in buckets with the same sums",
 
 TEST_CASE("autograd::broadcast_coalesced cuts buckets from the end of the list",
           "[cpu][autograd]") {
-  BucketSizeEnv env("0.0001"); // 104 bytes: 26 floats
+  const torchdp::autograd::GradBucketSizeGuard guard(104); // 26 floats
   const auto a = leaf({10});
   const auto b = leaf({20});
   const auto c = leaf({5});
@@ -565,28 +553,15 @@ TEST_CASE("autograd::broadcast_coalesced cuts buckets from the end of the list",
   CHECK(out[0][2].grad_fn()->next_edges().size() == 2);
 }
 
-TEST_CASE("autograd::broadcast_coalesced rejects a bad TORCHDP_GRAD_BUCKET_MB", "[cpu][autograd]") {
-  const char* bad = GENERATE("-3", " 25", "0x10", "inf", "25 ");
-  BucketSizeEnv env(bad);
-  const auto x = leaf({2});
-  TORCHDP_CHECK_THROWS_WITH(torchdp::autograd::broadcast_coalesced({x}, cpu_devices(2)),
-                            "TORCHDP_GRAD_BUCKET_MB must be a non-negative",
-                            std::string("'") + bad + "'");
-}
-
 TEST_CASE("bucket sizes beyond memory are clamped, not overflowed", "[cpu][autograd]") {
   constexpr size_t kClamp = size_t{1} << 62;
-  {
-    BucketSizeEnv env("1e300");
-    CHECK(torchdp::autograd::grad_bucket_size() == kClamp);
-  }
+  CHECK(torchdp::autograd::bucket_bytes_from_mib(1e300, "api") == kClamp);
   CHECK(torchdp::autograd::bucket_bytes_from_mib(1e30, "api") == kClamp);
   CHECK(torchdp::autograd::bucket_bytes_from_mib(2.5, "api") == size_t{5} << 19);
 }
 
-TEST_CASE("GradBucketSizeGuard overrides the environment on its thread", "[cpu][autograd]") {
-  BucketSizeEnv env("0");
-  CHECK(torchdp::autograd::grad_bucket_size() == 0);
+TEST_CASE("GradBucketSizeGuard sets the bucket size on its thread", "[cpu][autograd]") {
+  CHECK(torchdp::autograd::grad_bucket_size() == torchdp::autograd::kDefaultGradBucketSize);
   {
     torchdp::autograd::GradBucketSizeGuard guard(100);
     CHECK(torchdp::autograd::grad_bucket_size() == 100);
@@ -600,87 +575,8 @@ TEST_CASE("GradBucketSizeGuard overrides the environment on its thread", "[cpu][
     const auto out = torchdp::autograd::broadcast_coalesced({a, b}, cpu_devices(2));
     CHECK(out[0][0].grad_fn() != out[0][1].grad_fn()); // 40 + 80 bytes > 100: two buckets
   }
-  CHECK(torchdp::autograd::grad_bucket_size() == 0);
+  CHECK(torchdp::autograd::grad_bucket_size() == torchdp::autograd::kDefaultGradBucketSize);
   TORCHDP_CHECK_THROWS_WITH(torchdp::autograd::bucket_bytes_from_mib(-1, "api"), "api",
                             "bucket_cap_mb must be a non-negative number of MiB");
   CHECK(torchdp::autograd::bucket_bytes_from_mib(0.5, "api") == 512 * 1024);
-}
-
-TEST_CASE("bucket delivery defers the waits of sums nothing reads", "[cpu][autograd]") {
-  // Note [Delivering bucket sums directly]: with TORCHDP_GRAD_DELIVERY=bucket a sum that
-  // AccumulateGrad takes as it is needs no wait of its own; one that a hook reads, or that is
-  // added to an existing gradient, keeps its bucket's wait. The sums are the same either way.
-  BucketSizeEnv env("0.000001"); // every tensor in a bucket of its own
-  std::optional<DeliveryEnv> delivery(std::in_place, "bucket");
-  const auto a = leaf({4, 3});
-  const auto b = leaf({5});
-  const auto c = leaf({2, 2});
-  int hook_calls = 0;
-  c.register_hook([&hook_calls](const torch::Tensor& g) {
-    ++hook_calls;
-    return g;
-  });
-  auto step = [&] {
-    const auto out = torchdp::autograd::broadcast_coalesced({a, b, c}, cpu_devices(2));
-    auto loss = torch::zeros({});
-    for (size_t j = 0; j < 2; ++j) {
-      loss = loss + out[j][0].sum() + out[j][1].pow(2).sum() + out[j][2].sum() * 3;
-    }
-    loss.backward();
-  };
-  const auto before = torchdp::autograd::deferred_gradient_sums();
-  step();
-  // a and b: taken as they are; c: its hook reads the sum.
-  CHECK(torchdp::autograd::deferred_gradient_sums() - before == 2);
-  CHECK(hook_calls == 1);
-  CHECK(torch::allclose(a.grad(), torch::full({4, 3}, 2.0)));
-  CHECK(torch::allclose(b.grad(), 4 * b.detach()));
-  CHECK(torch::allclose(c.grad(), torch::full({2, 2}, 6.0)));
-  step(); // every gradient exists now: added to, no deferral
-  CHECK(torchdp::autograd::deferred_gradient_sums() - before == 2);
-  CHECK(torch::allclose(a.grad(), torch::full({4, 3}, 4.0)));
-  CHECK(torch::allclose(c.grad(), torch::full({2, 2}, 12.0)));
-  delivery.reset(); // the default: join
-  const auto join_before = torchdp::autograd::deferred_gradient_sums();
-  a.mutable_grad().reset();
-  step(); // the join delivers all sums at once: nothing to defer
-  CHECK(torchdp::autograd::deferred_gradient_sums() == join_before);
-  CHECK(torch::allclose(a.grad(), torch::full({4, 3}, 2.0)));
-}
-
-TEST_CASE("bucket delivery: a backward pass that raises leaves the next ones working",
-          "[cpu][autograd]") {
-  // A pass that fails never runs its end-of-pass callback; the bucket delivery then ends the pass
-  // when the engine drops that callback, and later passes defer and deliver as usual.
-  BucketSizeEnv env("0.000001"); // every tensor in a bucket of its own
-  DeliveryEnv delivery("bucket");
-  const auto a = leaf({4, 3});
-  const auto b = leaf({5});
-  bool fail = true;
-  // a is the first tensor, so its bucket runs last: b's sum is deferred before the hook raises.
-  a.register_hook([&fail](const torch::Tensor& g) {
-    if (fail) {
-      throw std::runtime_error("hook failed");
-    }
-    return g;
-  });
-  auto step = [&] {
-    const auto out = torchdp::autograd::broadcast_coalesced({a, b}, cpu_devices(2));
-    auto loss = torch::zeros({});
-    for (size_t j = 0; j < 2; ++j) {
-      loss = loss + out[j][0].sum() + out[j][1].pow(2).sum();
-    }
-    loss.backward();
-  };
-  TORCHDP_CHECK_THROWS_WITH(step(), "hook failed");
-  fail = false;
-  for (int i = 0; i < 2; ++i) {
-    a.mutable_grad().reset();
-    b.mutable_grad().reset();
-    const auto before = torchdp::autograd::deferred_gradient_sums();
-    step();
-    CHECK(torchdp::autograd::deferred_gradient_sums() - before == 1); // b's; a has a hook
-    CHECK(torch::allclose(a.grad(), torch::full({4, 3}, 2.0)));
-    CHECK(torch::allclose(b.grad(), 4 * b.detach()));
-  }
 }

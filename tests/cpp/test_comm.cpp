@@ -568,19 +568,3 @@ TEST_CASE("comm::gather errors", "[cpu][comm]") {
                               "xpu", "not supported");
   }
 }
-
-TEST_CASE("TORCHDP_PEER_BROADCAST is checked, and CPU broadcasts ignore it", "[cpu][comm]") {
-  const std::vector<torch::Device> cpus{torch::kCPU, torch::kCPU};
-  {
-    torchdp_test::ScopedEnv env("TORCHDP_PEER_BROADCAST", "2");
-    const auto out = torchdp::comm::broadcast_coalesced({torch::arange(4.0)}, cpus);
-    CHECK(torch::equal(out[1][0], torch::arange(4.0)));
-  }
-  for (const char* bad : {"many", "9", "-1", "12"}) {
-    torchdp_test::ScopedEnv env("TORCHDP_PEER_BROADCAST", bad);
-    TORCHDP_CHECK_THROWS_WITH(
-        torchdp::comm::broadcast_coalesced({torch::ones({2})}, cpus),
-        "TORCHDP_PEER_BROADCAST must be a number of streams from 0 (off) to 8",
-        std::string("'") + bad + "'");
-  }
-}

@@ -507,21 +507,6 @@ TEST_CASE("DataParallel wraps a torch::nn::Sequential directly", "[cpu][data_par
   }
 }
 
-TEST_CASE("a bad TORCHDP_GRAD_* variable fails when the DataParallel is made",
-          "[cpu][data_parallel]") {
-  torch::nn::Linear net(4, 2);
-  {
-    ScopedEnv env("TORCHDP_GRAD_BUCKET_MB", "lots");
-    TORCHDP_CHECK_THROWS_WITH(torchdp::DataParallel(net, on(cpu_devices(2))),
-                              "TORCHDP_GRAD_BUCKET_MB must be a non-negative number", "'lots'");
-    // An explicit bucket_cap_mb does not read it.
-    CHECK_NOTHROW(torchdp::DataParallel(net, on(cpu_devices(2)).bucket_cap_mb(5.0)));
-  }
-  ScopedEnv env("TORCHDP_GRAD_DELIVERY", "eager");
-  TORCHDP_CHECK_THROWS_WITH(torchdp::DataParallel(net, on(cpu_devices(2)).bucket_cap_mb(5.0)),
-                            "TORCHDP_GRAD_DELIVERY must be 'join'", "'eager'");
-}
-
 // BatchNorm (running statistics updated in place on replica 0, which shares the original's
 // tensors), an in-place counter, and a failure on demand in the replica whose chunk starts with 99.
 struct CountsAndFailsImpl : torch::nn::Cloneable<CountsAndFailsImpl> {

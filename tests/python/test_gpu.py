@@ -332,14 +332,11 @@ def test_bucketed_training_matches_one_gpu(bucket_cap_mb):
 
 
 @pytest.mark.parametrize("set_to_none", [False, True])
-@pytest.mark.parametrize("delivery", ["join", "bucket"])
-def test_bucket_reduction_waits_for_the_second_gpus_backward(monkeypatch, delivery, set_to_none):
+def test_bucket_reduction_waits_for_the_second_gpus_backward(set_to_none):
     """GPU-bound backward: the CPU queues every kernel long before GPU 1 has run them, so a bucket's
     reduction is issued while GPU 1 is still computing that bucket's gradients. Every side stream
     must wait for them (the engine orders only the node's own stream), and GPU 0's current stream
-    for the sums before reading them: with TORCHDP_GRAD_DELIVERY=bucket, bucket by bucket when they
-    are added to existing gradients, once, at the pass's last bucket, when they become .grad."""
-    monkeypatch.setenv("TORCHDP_GRAD_DELIVERY", delivery)
+    for the sums before reading them."""
     assert_gpu_bound_buckets_ordered(
         cuda_devices(2), bucket_cap_mb=1, layers=4, set_to_none=set_to_none
     )

@@ -17,17 +17,6 @@ from torch import nn
 
 import torchdp
 
-ENV = "TORCHDP_GRAD_BUCKET_MB"
-DELIVERY = "TORCHDP_GRAD_DELIVERY"
-
-
-@pytest.fixture(params=["join", "bucket"])
-def delivery(request, monkeypatch):
-    """Both ways of handing the sums to the parameters (Note [Delivering bucket sums directly])."""
-    monkeypatch.setenv(DELIVERY, request.param)
-    return request.param
-
-
 def _mlp(layers: int = 6, width: int = 32) -> nn.Sequential:
     torch.manual_seed(0)
     mods: list[nn.Module] = []
@@ -66,29 +55,28 @@ def _bucket_sizes(replica: nn.Module) -> list[int]:
 @pytest.mark.parametrize(
     "mib, expected",
     [
-        ("0", [12]),  # one bucket for everything
-        ("0.000001", [1] * 12),  # every tensor alone
+        (0, [12]),  # one bucket for everything
+        (0.000001, [1] * 12),  # every tensor alone
         # Weights of 4096 bytes, biases of 128; 0.01 MiB = 10485 bytes. From the end: b5 w5 b4 w4
         # b3 (8576 bytes), then w3 b2 w2 b1 (8448), then w1 b0 w0; listed in parameter order.
-        ("0.01", [3, 4, 5]),
+        (0.01, [3, 4, 5]),
     ],
 )
-def test_buckets_are_cut_from_the_end(monkeypatch, mib, expected):
-    monkeypatch.setenv(ENV, mib)
+def test_buckets_are_cut_from_the_end(mib, expected):
     net = _mlp()
-    r0, _ = torchdp.replicate(net, cpu_devices(2))
+    r0, _ = torchdp.replicate(net, cpu_devices(2), bucket_cap_mb=mib)
     assert _bucket_sizes(r0) == expected
 
 
-def test_a_bucket_reduces_as_soon_as_its_gradients_exist(monkeypatch, delivery):
+def test_a_bucket_reduces_as_soon_as_its_gradients_exist():
     # The last layer's bucket must run as soon as both replicas' last layers have their backward,
     # before the rest of the backward pass (its reduce-add overlaps it), not after all of the
     # device's work. On CPU every node shares one ready queue, which runs one replica's backward
     # (the later one's ops come first), then the other's: the bucket must run before the second
     # replica reaches its first layer.
-    monkeypatch.setenv(ENV, "0.000001")  # every tensor in a bucket of its own
     net = _mlp(layers=4, width=8)
-    replicas = torchdp.replicate(net, cpu_devices(2))
+    # Every tensor in a bucket of its own.
+    replicas = torchdp.replicate(net, cpu_devices(2), bucket_cap_mb=0.000001)
     events: list[str] = []
     last_bias_node = replicas[0][-2].bias.grad_fn
     assert last_bias_node.name() == "torchdp::BroadcastBackward"
@@ -106,14 +94,12 @@ def test_a_bucket_reduces_as_soon_as_its_gradients_exist(monkeypatch, delivery):
     assert net[-2].bias.grad is not None
 
 
-def test_default_buckets_hold_small_models_in_one_node(monkeypatch):
-    monkeypatch.delenv(ENV, raising=False)
+def test_default_buckets_hold_small_models_in_one_node():
     r0, _ = torchdp.replicate(_mlp(), cpu_devices(2))
     assert _bucket_sizes(r0) == [12]  # 6 x 4224 bytes < 1 MiB, the first bucket's cap
 
 
-def test_first_bucket_is_small(monkeypatch):
-    monkeypatch.delenv(ENV, raising=False)
+def test_first_bucket_is_small():
     # 256 KiB weights and 1 KiB biases: the 1 MiB first bucket takes the last three layers and the
     # bias before them (7 tensors), the 25 MiB second bucket the rest.
     net = _mlp(layers=6, width=256)
@@ -121,13 +107,12 @@ def test_first_bucket_is_small(monkeypatch):
     assert _bucket_sizes(r0) == [5, 7]
 
 
-@pytest.mark.parametrize("mib", ["0", "0.000001", "0.01", "25"])
+@pytest.mark.parametrize("mib", [0, 0.000001, 0.01, 25])
 @pytest.mark.parametrize("n", [2, 3])
-def test_bucketed_gradients_equal_the_module(monkeypatch, mib, n, delivery):
-    monkeypatch.setenv(ENV, mib)
+def test_bucketed_gradients_equal_the_module(mib, n):
     net = _mlp()
     ref = clone_module(net)
-    dp = torchdp.DataParallel(net, devices=cpu_devices(n))
+    dp = torchdp.DataParallel(net, devices=cpu_devices(n), bucket_cap_mb=mib)
     x = torch.randn(7, 32)
     dp(x).pow(2).sum().backward()
     ref(x).pow(2).sum().backward()
@@ -135,11 +120,10 @@ def test_bucketed_gradients_equal_the_module(monkeypatch, mib, n, delivery):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_bucketed_double_backward(monkeypatch, delivery):
-    monkeypatch.setenv(ENV, "0.000001")
+def test_bucketed_double_backward():
     net = _mlp(layers=3, width=8)
     ref = clone_module(net)
-    dp = torchdp.DataParallel(net, devices=cpu_devices(2))
+    dp = torchdp.DataParallel(net, devices=cpu_devices(2), bucket_cap_mb=0.000001)
 
     x = torch.randn(6, 8)
     gradient_penalty(ref, x).backward()
@@ -148,32 +132,23 @@ def test_bucketed_double_backward(monkeypatch, delivery):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
 
 
-def test_unused_parameters_get_zero_gradients_in_every_bucket(monkeypatch, delivery):
-    monkeypatch.setenv(ENV, "0.000001")
-
+def test_unused_parameters_get_zero_gradients_in_every_bucket():
     net = Partly()
-    torchdp.DataParallel(net, devices=cpu_devices(2))(torch.randn(4, 4)).sum().backward()
+    dp = torchdp.DataParallel(net, devices=cpu_devices(2), bucket_cap_mb=0.000001)
+    dp(torch.randn(4, 4)).sum().backward()
     assert net.used.weight.grad is not None and net.used.weight.grad.abs().sum() > 0
     torch.testing.assert_close(net.unused.weight.grad, torch.zeros(4, 4))
 
 
-@pytest.mark.parametrize("bad", ["-1", "lots", "1e"])
-def test_bad_bucket_size_is_named(monkeypatch, bad):
-    monkeypatch.setenv(ENV, bad)
-    with pytest.raises(RuntimeError, match="TORCHDP_GRAD_BUCKET_MB must be a non-negative number"):
-        torchdp.replicate(_mlp(), cpu_devices(2))
-
-
 @pytest.mark.needs_cuda
-@pytest.mark.parametrize("mib", ["0", "0.001", "25"])
-def test_bucketed_reduction_on_cuda_side_streams(monkeypatch, mib, delivery):
+@pytest.mark.parametrize("mib", [0, 0.001, 25])
+def test_bucketed_reduction_on_cuda_side_streams(mib):
     # The same CUDA device twice: the reduction runs on its side stream while the backward of
     # the replicas is still queued on the default stream.
-    monkeypatch.setenv(ENV, mib)
     dev = torch.device("cuda", 0)
     net = _mlp(layers=8, width=512).to(dev)
     ref = clone_module(net)
-    dp = torchdp.DataParallel(net, devices=[dev, dev])
+    dp = torchdp.DataParallel(net, devices=[dev, dev], bucket_cap_mb=mib)
     x = torch.randn(64, 512, device=dev)
     for _ in range(3):  # several steps: recycled memory must not be overwritten early
         net.zero_grad()
@@ -187,23 +162,17 @@ def test_bucketed_reduction_on_cuda_side_streams(monkeypatch, mib, delivery):
 @pytest.mark.needs_cuda
 @pytest.mark.parametrize("set_to_none", [False, True])
 @pytest.mark.parametrize("bucket_cap_mb", [1, 25])
-def test_bucketed_reduction_is_ordered_with_a_gpu_bound_backward(
-    bucket_cap_mb, set_to_none, delivery
-):
+def test_bucketed_reduction_is_ordered_with_a_gpu_bound_backward(bucket_cap_mb, set_to_none):
     # Two replicas on one GPU (one side stream): see assert_gpu_bound_buckets_ordered.
     dev = torch.device("cuda", 0)
-    before = torchdp._C.deferred_gradient_sums()
     assert_gpu_bound_buckets_ordered(
         [dev, dev], bucket_cap_mb=bucket_cap_mb, layers=3, set_to_none=set_to_none
     )
-    deferred = torchdp._C.deferred_gradient_sums() - before
-    # Bucket delivery defers every bucket's wait when .grad was None (6 tensors x 3 attempts).
-    assert deferred == (18 if delivery == "bucket" and set_to_none else 0)
 
 
 @pytest.mark.needs_cuda
 @pytest.mark.parametrize("order", ["cuda_first", "cpu_first"])
-def test_bucketed_reduction_over_mixed_device_types(order, delivery):
+def test_bucketed_reduction_over_mixed_device_types(order):
     # cpu and cuda in one device list: no side streams, the buckets reduce in order.
     torch.manual_seed(0)
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
@@ -221,12 +190,11 @@ def test_bucketed_reduction_over_mixed_device_types(order, delivery):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
 
 
-def test_bucket_cap_mb_option_overrides_the_environment(monkeypatch):
-    monkeypatch.setenv(ENV, "0")
+def test_bucket_cap_mb_option_sizes_the_buckets():
     net = _mlp()
     r0, _ = torchdp.replicate(net, cpu_devices(2), bucket_cap_mb=0.01)
     assert _bucket_sizes(r0) == [3, 4, 5]
-    r0, _ = torchdp.replicate(net, cpu_devices(2))  # the environment again
+    r0, _ = torchdp.replicate(net, cpu_devices(2))  # the default again
     assert _bucket_sizes(r0) == [12]
     ref = clone_module(net)
     dp = torchdp.DataParallel(net, devices=cpu_devices(2), bucket_cap_mb=0.000001)
@@ -246,247 +214,3 @@ def test_bad_bucket_cap_mb_is_named(bad):
         torchdp.DataParallel(_mlp(), devices=cpu_devices(2), bucket_cap_mb=bad)
     with pytest.raises(ValueError, match="torchdp.replicate: bucket_cap_mb"):
         torchdp.replicate(_mlp(), cpu_devices(2), bucket_cap_mb=bad)
-
-
-def _next_node_names(replica: nn.Module) -> set[str]:
-    return {
-        fn.name()
-        for m in replica.modules()
-        for key in m._former_parameters
-        for fn, _ in getattr(m, key).grad_fn.next_functions
-        if fn is not None
-    }
-
-
-def test_bucket_delivery_goes_straight_to_the_parameters(monkeypatch):
-    monkeypatch.setenv(ENV, "0.000001")
-    net = _mlp(layers=2, width=4)
-    monkeypatch.setenv(DELIVERY, "join")
-    r0, _ = torchdp.replicate(net, cpu_devices(2))
-    assert _next_node_names(r0) == {"torchdp::BroadcastBackwardJoin"}
-    monkeypatch.setenv(DELIVERY, "bucket")
-    r0, _ = torchdp.replicate(net, cpu_devices(2))
-    assert _next_node_names(r0) == {"torch::autograd::AccumulateGrad"}
-
-    # Gradients reach .grad during the backward pass: the first layer's tensor hook sees the last
-    # layer's gradient already accumulated (the last layer's bucket ran before).
-    seen = []
-    x = torch.randn(5, 4, requires_grad=True)
-    out = torchdp.DataParallel(net, devices=cpu_devices(2))(x)
-    x.register_hook(lambda g: seen.append(net[2].weight.grad is not None))
-    out.sum().backward()
-    assert seen == [True]
-
-
-def test_bucket_delivery_keeps_the_join_for_non_leaf_sources(monkeypatch):
-    monkeypatch.setenv(DELIVERY, "bucket")
-    leaf = torch.randn(3, requires_grad=True)
-    copies = torchdp._C.broadcast_coalesced([leaf * 2], cpu_devices(2), 10485760, True)
-    nexts = {fn.name() for fn, _ in copies[1][0].grad_fn.next_functions if fn is not None}
-    assert nexts == {"torchdp::BroadcastBackwardJoin"}
-    copies[1][0].sum().backward()
-    torch.testing.assert_close(leaf.grad, torch.full((3,), 2.0))
-
-
-def test_bucket_delivery_over_several_passes_and_autograd_grad(monkeypatch):
-    monkeypatch.setenv(ENV, "0.000001")
-
-    x = torch.randn(6, 4)
-    results = {}
-    for mode in ("join", "bucket"):
-        monkeypatch.setenv(DELIVERY, mode)
-        torch.manual_seed(0)
-        net = Partly()
-        dp = torchdp.DataParallel(net, devices=cpu_devices(2))
-        loss = dp(x).pow(2).sum()
-        loss.backward(retain_graph=True)
-        loss.backward()  # a second pass over the same graph accumulates again
-        (g,) = torch.autograd.grad(dp(x).pow(2).sum(), [net.used.weight])
-        results[mode] = (net.used.weight.grad.clone(), net.unused.weight.grad.clone(), g)
-    for a, b in zip(results["join"], results["bucket"], strict=True):
-        torch.testing.assert_close(a, b)
-    torch.testing.assert_close(results["bucket"][1], torch.zeros(4, 4))
-
-
-def test_bad_delivery_is_named(monkeypatch):
-    monkeypatch.setenv(DELIVERY, "eager")
-    with pytest.raises(RuntimeError, match="TORCHDP_GRAD_DELIVERY must be 'join'"):
-        torchdp.replicate(_mlp(), cpu_devices(2))
-
-
-def test_bad_environment_fails_when_the_wrapper_is_made(monkeypatch):
-    monkeypatch.setenv(ENV, "lots")
-    with pytest.raises(RuntimeError, match="TORCHDP_GRAD_BUCKET_MB must be a non-negative number"):
-        torchdp.DataParallel(_mlp(), devices=cpu_devices(2))
-    # An explicit bucket_cap_mb does not read the variable.
-    torchdp.DataParallel(_mlp(), devices=cpu_devices(2), bucket_cap_mb=5)
-    monkeypatch.delenv(ENV)
-    monkeypatch.setenv(DELIVERY, "eager")
-    with pytest.raises(RuntimeError, match="TORCHDP_GRAD_DELIVERY must be 'join'"):
-        torchdp.DataParallel(_mlp(), devices=cpu_devices(2), bucket_cap_mb=5)
-
-
-def _deferred() -> int:
-    return torchdp._C.deferred_gradient_sums()
-
-
-class TiedOutside(nn.Module):
-    """Two layers; the caller also uses the first layer's weight outside the replicas."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(6, 6)
-        self.b = nn.Linear(6, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(torch.tanh(self.a(x)))
-
-
-def _tied_loss(model: nn.Module, net: TiedOutside, x: torch.Tensor) -> torch.Tensor:
-    return model(x).pow(2).sum() + net.a.weight.pow(2).sum()
-
-
-@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
-def test_bucket_delivery_defers_waits_for_sums_nothing_reads(monkeypatch, recwarn):
-    # Note [Delivering bucket sums directly]: a bucket's stream wait is deferred to the pass's last
-    # bucket only for sums that AccumulateGrad takes without reading them; the others wait.
-    monkeypatch.setenv(DELIVERY, "bucket")
-    monkeypatch.setenv(ENV, "0.000001")  # every tensor in a bucket of its own
-    x = torch.randn(8, 6)
-
-    def fresh() -> tuple[TiedOutside, TiedOutside, torchdp.DataParallel]:
-        torch.manual_seed(0)
-        net = TiedOutside()
-        return net, clone_module(net), torchdp.DataParallel(net, devices=cpu_devices(2))
-
-    def check(net: nn.Module, ref: nn.Module) -> None:
-        for (name, p), q in zip(net.named_parameters(), ref.parameters(), strict=True):
-            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
-
-    # Plain: all four deferred (and taken as they were: no warning at the end of the pass).
-    net, ref, dp = fresh()
-    before = _deferred()
-    dp(x).pow(2).sum().backward()
-    ref(x).pow(2).sum().backward()
-    assert _deferred() - before == 4
-    check(net, ref)
-    assert not [w for w in recwarn if "did not take" in str(w.message)]
-
-    # The weight also used outside the replicas has two producers: the engine adds its two
-    # gradients on the forward stream, so its bucket waits.
-    net, ref, dp = fresh()
-    before = _deferred()
-    _tied_loss(dp, net, x).backward()
-    _tied_loss(ref, ref, x).backward()
-    assert _deferred() - before == 3
-    check(net, ref)
-
-    # Hooks read the gradient: a tensor hook and a post-accumulate-grad hook make their buckets
-    # wait, and they run with the summed gradient.
-    net, ref, dp = fresh()
-    seen: dict[str, torch.Tensor] = {}
-    net.a.bias.register_hook(lambda g: seen.__setitem__("hook", g.clone()))
-    net.b.weight.register_post_accumulate_grad_hook(
-        lambda p: seen.__setitem__("post", p.grad.clone())
-    )
-    before = _deferred()
-    dp(x).pow(2).sum().backward()
-    ref(x).pow(2).sum().backward()
-    assert _deferred() - before == 2
-    check(net, ref)
-    torch.testing.assert_close(seen["hook"], ref.a.bias.grad)
-    torch.testing.assert_close(seen["post"], ref.b.weight.grad)
-
-    # Existing gradients are added to, not replaced.
-    net, ref, dp = fresh()
-    for _ in range(2):
-        dp(x).pow(2).sum().backward()
-        ref(x).pow(2).sum().backward()
-    before = _deferred()
-    dp(x).pow(2).sum().backward()
-    ref(x).pow(2).sum().backward()
-    assert _deferred() - before == 0
-    check(net, ref)
-
-    # The same module replicated twice in one forward: every parameter has two producers.
-    net, ref, dp = fresh()
-    before = _deferred()
-    (dp(x).pow(2).sum() + dp(2 * x).pow(2).sum()).backward()
-    (ref(x).pow(2).sum() + ref(2 * x).pow(2).sum()).backward()
-    assert _deferred() - before == 0
-    check(net, ref)
-
-    # torch.autograd.grad and create_graph never touch .grad directly.
-    net, ref, dp = fresh()
-    before = _deferred()
-    grads = torch.autograd.grad(dp(x).pow(2).sum(), list(net.parameters()))
-    ref_grads = torch.autograd.grad(ref(x).pow(2).sum(), list(ref.parameters()))
-    assert _deferred() - before == 0
-    assert all(p.grad is None for p in net.parameters())
-    for g, r in zip(grads, ref_grads, strict=True):
-        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6)
-    net, ref, dp = fresh()
-    before = _deferred()
-    dp(x).pow(2).sum().backward(create_graph=True)
-    ref(x).pow(2).sum().backward(create_graph=True)
-    assert _deferred() - before == 0
-    check(net, ref)
-    assert all(p.grad.requires_grad for p in net.parameters())
-    net.zero_grad(set_to_none=True)  # break the parameter-gradient cycles create_graph made
-    ref.zero_grad(set_to_none=True)
-
-    # A plain backward through a double-backward graph (the penalty's input gradient was made
-    # with create_graph by torch.autograd.grad, which defers nothing) defers again.
-    net, ref, dp = fresh()
-    before = _deferred()
-    gradient_penalty(dp, x).backward()
-    gradient_penalty(ref, x).backward()
-    assert _deferred() - before == 4
-    check(net, ref)
-
-
-def test_bucket_delivery_keeps_the_gradient_layout(monkeypatch):
-    # A channels_last weight takes its gradient in its own layout (AccumulateGrad copies the
-    # contiguous sum into it, reading it), so only the bias's wait is deferred.
-    monkeypatch.setenv(DELIVERY, "bucket")
-    monkeypatch.setenv(ENV, "0.000001")
-    torch.manual_seed(0)
-    net = nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
-    ref = clone_module(net)
-    x = torch.randn(4, 3, 8, 8)
-    before = _deferred()
-    torchdp.DataParallel(net, devices=cpu_devices(2))(x).pow(2).sum().backward()
-    ref(x).pow(2).sum().backward()
-    assert _deferred() - before == 1
-    assert net.weight.grad.is_contiguous(memory_format=torch.channels_last)
-    torch.testing.assert_close(net.weight.grad, ref.weight.grad, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(net.bias.grad, ref.bias.grad, rtol=1e-5, atol=1e-5)
-
-
-def test_join_delivery_never_defers(monkeypatch):
-    monkeypatch.setenv(DELIVERY, "join")
-    net = _mlp(layers=2, width=4)
-    before = _deferred()
-    torchdp.DataParallel(net, devices=cpu_devices(2))(torch.randn(4, 4)).sum().backward()
-    assert _deferred() == before
-    assert all(p.grad is not None for p in net.parameters())
-
-
-def test_a_bucket_with_one_read_sum_waits_for_all(monkeypatch):
-    # One bucket for everything: a hook on one parameter makes the whole bucket wait, so none of
-    # its sums counts as deferred; without the hook all four do.
-    monkeypatch.setenv(DELIVERY, "bucket")
-    monkeypatch.setenv(ENV, "25")
-    x = torch.randn(8, 6)
-    for hooked in (False, True):
-        torch.manual_seed(0)
-        net = TiedOutside()
-        ref = clone_module(net)
-        if hooked:
-            net.b.bias.register_hook(lambda g: g * 1)
-        before = _deferred()
-        torchdp.DataParallel(net, devices=cpu_devices(2))(x).pow(2).sum().backward()
-        ref(x).pow(2).sum().backward()
-        assert _deferred() - before == (0 if hooked else 4)
-        for p, q in zip(net.parameters(), ref.parameters(), strict=True):
-            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)

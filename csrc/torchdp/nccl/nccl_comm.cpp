@@ -119,26 +119,6 @@ bool reduce_supports(at::ScalarType dtype) {
   }
 }
 
-void broadcast(std::vector<at::Tensor>& buffers, const std::vector<c10::Device>& devices) {
-  auto& comms = communicators(devices);
-  const size_t bytes = buffers[0].numel() * buffers[0].element_size();
-  if (bytes == 0) {
-    return;
-  }
-  for (const auto j : c10::irange(devices.size())) { // before the group (see broadcast_each)
-    TORCH_INTERNAL_ASSERT(buffers[j].is_contiguous() &&
-                          static_cast<size_t>(buffers[j].numel() * buffers[j].element_size()) ==
-                              bytes);
-  }
-  GroupGuard group;
-  for (const auto j : c10::irange(devices.size())) {
-    c10::cuda::CUDAGuard guard(devices[j]);
-    auto stream = c10::cuda::getCurrentCUDAStream(devices[j].index());
-    TORCHDP_NCCL_CHECK(ncclBroadcast(buffers[0].data_ptr(), buffers[j].data_ptr(), bytes, ncclUint8,
-                                     /*root=*/0, comms[j], stream.stream()));
-  }
-}
-
 void broadcast_each(const std::vector<at::Tensor>& sources,
                     const std::vector<std::vector<at::Tensor>>& destinations,
                     const std::vector<c10::Device>& devices) {

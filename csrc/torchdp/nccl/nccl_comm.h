@@ -20,10 +20,6 @@ bool usable(const std::vector<c10::Device>& devices);
 /// True when `ncclReduce` supports this dtype.
 bool reduce_supports(at::ScalarType dtype);
 
-/// Broadcasts the contiguous tensor buffers[0] (on devices[0]) into buffers[j] (preallocated,
-/// contiguous, same number of bytes, on devices[j]).
-void broadcast(std::vector<at::Tensor>& buffers, const std::vector<c10::Device>& devices);
-
 /// Broadcasts every contiguous sources[k] (on devices[0]) into destinations[j][k] (preallocated,
 /// contiguous, same number of bytes, on devices[j]; destinations[0] is not used: the root sends in
 /// place), all in one NCCL group, so no staging copy is made on the source device.
