@@ -53,7 +53,8 @@ class GilRelease {
 /// normalisation, the comm / autograd transport functions and parallel_apply.
 void init_core(pybind11::module_& m);
 
-/// Python nn.Module replication (csrc/python/replicate_py.cpp): replicate, check_replica_devices.
+/// Python nn.Module replication (csrc/python/replicate_*.cpp, replication.h): replicate,
+/// ReplicaCache, check_replica_devices.
 void init_replicate(pybind11::module_& m);
 
 /// DataParallel's checks of options and module (csrc/python/bind_data_parallel.cpp).

@@ -1,5 +1,5 @@
 // The torchdp._C extension module: only the module definition; the bindings live in
-// bind_core.cpp (core), replicate_py.cpp (nn.Module replication), bind_data_parallel.cpp
+// bind_core.cpp (core), replicate_*.cpp (nn.Module replication), bind_data_parallel.cpp
 // (DataParallel's checks) and bind_process_group.cpp (gradient averaging across processes). See
 // API.md for the interface.
 

@@ -1,5 +1,5 @@
-"""Replicas of modules compiled in place with ``module.compile()`` (see csrc/python/replicate_py.cpp,
-Note [Replicating compiled modules]).
+"""Replicas of modules compiled in place with ``module.compile()`` (see
+csrc/python/replicate_build.cpp, Note [Replicating compiled modules]).
 
 ``module.compile(**options)`` stores ``torch.compile(module._call_impl, **options)`` in the
 module's ``_compiled_call_impl``: a compiled call bound to *that* module. A replica needs the same

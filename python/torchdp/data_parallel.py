@@ -142,8 +142,9 @@ _GRAPHED: weakref.WeakKeyDictionary[nn.Module, GraphedReplicas] = weakref.WeakKe
 _SYNCS: weakref.WeakKeyDictionary[nn.Module, ProcessGroupSync] = weakref.WeakKeyDictionary()
 
 # The replicas each DataParallel keeps between forwards (cache_replicas; Note [Kept replicas] in
-# csrc/python/replicate_py.cpp), outside the module for the same reasons; and those data_parallel()
-# keeps per module (a cache holds no reference to its module, so the weak key can die).
+# csrc/python/replicate_cache.cpp), outside the module for the same reasons; and those
+# data_parallel() keeps per module (a cache holds no reference to its module, so the weak key can
+# die).
 _REPLICA_CACHES: weakref.WeakKeyDictionary[nn.Module, _C.ReplicaCache] = weakref.WeakKeyDictionary()
 _FUNCTIONAL_CACHES: weakref.WeakKeyDictionary[nn.Module, _C.ReplicaCache] = (
     weakref.WeakKeyDictionary()

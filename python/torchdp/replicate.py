@@ -9,7 +9,7 @@ class keeps ``nn.Module``'s ``__new__``, ``__setattr__`` and ``_replicate_for_da
 same replica is built with direct dictionary operations instead of those Python calls, which makes
 replication several times faster than ``torch.nn.parallel.replicate``. :func:`replicate` builds new
 replicas at every call; ``torchdp.DataParallel`` keeps its replicas between forwards and refills
-them at each one (``_C.ReplicaCache``, Note [Kept replicas] in ``csrc/python/replicate_py.cpp``),
+them at each one (``_C.ReplicaCache``, Note [Kept replicas] in ``csrc/python/replicate_cache.cpp``),
 so either way every change to the module shows up in the next replicas. This module then
 runs, in order:
 
@@ -230,7 +230,7 @@ def _replicate(
 ) -> list[T]:
     """:func:`replicate` after its argument checks; with ``cache``, the replicas are that
     ``ReplicaCache``'s (lent until its ``park()``; Note [Kept replicas] in
-    ``csrc/python/replicate_py.cpp``)."""
+    ``csrc/python/replicate_cache.cpp``)."""
     if not devices:
         return []
     device_list = _to_devices(devices, api)

@@ -1,4 +1,4 @@
-"""Replicating compiled modules (csrc/python/replicate_py.cpp, Note [Replicating compiled modules]):
+"""Replicating compiled modules (csrc/python/replicate_build.cpp, Note [Replicating compiled modules]):
 ``torch.compile(module)`` wrappers and modules compiled in place with ``module.compile()``.
 
 A counting dynamo backend (no code generation) shows that every replica runs its own compiled call

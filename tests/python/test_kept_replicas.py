@@ -1,5 +1,5 @@
 """Replicas kept between forwards (``torchdp.DataParallel(cache_replicas=True)``, the default;
-Note [Kept replicas] in csrc/python/replicate_py.cpp): reused when nothing else holds them,
+Note [Kept replicas] in csrc/python/replicate_cache.cpp): reused when nothing else holds them,
 refilled from the module at every forward, rebuilt when the structure changes."""
 
 from __future__ import annotations

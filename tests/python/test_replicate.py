@@ -359,7 +359,7 @@ def test_check_replica_devices_reports_a_misplaced_tensor():
         torchdp._C.check_replica_devices(copies, cpu_devices(2), "torchdp.test")
 
 
-# --- The dictionary fast path (Note [Two ways to build a replica] in replicate_py.cpp) -----------
+# --- The dictionary fast path (Note [Two ways to build a replica] in replicate_build.cpp) -------
 # While a global registration hook is installed, every module is built the PyTorch way
 # (_replicate_for_data_parallel + setattr); the fast path must give the same replicas.
 

@@ -1,0 +1,246 @@
+// Replicas kept between the forwards of one DataParallel (csrc/python/replication.h).
+#include "replication.h"
+
+#include <torchdp/profiling.h>
+#include <torchdp/replicate.h>
+
+#include <c10/util/irange.h>
+
+#include <memory>
+#include <string>
+
+namespace torchdp::python::replication {
+namespace {
+
+// Note [Kept replicas]
+// Why: new replicas at every forward make a module object and five dictionaries per module and
+// device, which the garbage collector counts and scans, and which die again at the end of the
+// forward. A ReplicaCache lends the replicas it built or refilled (replicate) and takes them back
+// at the end of the forward (park). Invariants:
+//   * park keeps them only when nothing else refers to any replica module (every reference count
+//     is the one it had when lent) and each still has the class and __dict__ it was given;
+//     otherwise they are dropped and left to their holders (a checkpointed forward, a hook, a
+//     traceback). Kept replicas are unreachable from Python: their dictionaries are emptied at once;
+//   * they are reused only when the walk finds modules of the same classes in the same order, onto
+//     the same devices, all built with dictionary operations, none compiled, none with __slots__.
+//     A refill fills each replica's dictionaries exactly as a new replica's are filled, from this
+//     call's walk, so what changed in the network, and what the last forward wrote into a replica,
+//     shows as it would in new replicas;
+//   * the cache holds no reference to the network; replicas lent and never parked are dropped by
+//     the next call before its transfer; the flat buffers of the copies are not kept (the caching
+//     allocator hands the same blocks back).
+class ReplicaCache {
+ public:
+  // (copies, plain_only, reused, buffers): copies as torchdp._C.replicate's; buffers, a copy of the
+  // network's buffers taken before anything of this call could change them (Note [Buffers of
+  // failed forwards]), refreshed in place from call to call unless a caller still holds it.
+  py::tuple replicate(py::handle network, const std::vector<c10::Device>& devices_in, bool detach,
+                      std::optional<int64_t> grad_bucket_bytes) {
+    TORCH_CHECK_VALUE(!devices_in.empty(), kApi, ": ReplicaCache.replicate needs a device");
+    const PauseGarbageCollection no_gc; // Note [No garbage collection while replicas are built]
+    std::optional<detail::ProfilerRange> phase;
+    phase.emplace("torchdp.replicate.walk");
+    Source s;
+    prepare(s, network, devices_in, detach);
+    if (!buffers_ || buffers_.use_count() > 1) {
+      buffers_ = std::make_shared<torchdp::BufferSnapshot>();
+    }
+    {
+      std::vector<at::Tensor> originals(s.plain_buffers);
+      originals.insert(originals.end(), s.rg_buffers.begin(), s.rg_buffers.end());
+      buffers_->take(originals);
+    }
+    const auto buffers = buffers_;
+    // Taken out of the cache for this call: a concurrent call (the transfer releases the GIL)
+    // finds it empty and builds its own.
+    std::unique_ptr<State> state = std::move(state_);
+    if (state && !(state->parked && reusable(*state, s))) {
+      state.reset(); // before the transfer: its copies go first
+    }
+    phase.reset();
+    phase.emplace("torchdp.replicate.transfer");
+    transfer(s, grad_bucket_bytes);
+    phase.reset();
+    phase.emplace("torchdp.replicate.build");
+    const bool reused = static_cast<bool>(state);
+    std::vector<py::list> copies;
+    if (reused) {
+      copies = refill(*state, s);
+      ++reuses_;
+    } else {
+      std::vector<std::vector<ReplicaDicts>> dicts;
+      copies = build(s, dicts);
+      ++builds_;
+      if (s.plain_only && s.keepable) {
+        state = std::make_unique<State>();
+        state->devices = s.devices;
+        for (const auto& e : s.net.modules) {
+          state->types.push_back(Py_TYPE(e.module.ptr()));
+        }
+        state->replicas.resize(copies.size());
+        for (const auto j : c10::irange(copies.size())) {
+          for (auto replica : copies[j]) {
+            state->replicas[j].push_back(py::reinterpret_borrow<py::object>(replica));
+          }
+        }
+        state->dicts = std::move(dicts);
+      }
+    }
+    if (state) {
+      // The reference counts with only the cache, the replicas and `copies` (one each) holding
+      // them.
+      state->expected.assign(copies.size(), {});
+      for (const auto j : c10::irange(copies.size())) {
+        for (const auto& replica : state->replicas[j]) {
+          state->expected[j].push_back(Py_REFCNT(replica.ptr()) - 1);
+        }
+      }
+      state->parked = false;
+      state_ = std::move(state);
+    }
+    py::list out;
+    for (auto& list : copies) {
+      out.append(std::move(list));
+    }
+    return py::make_tuple(out, s.plain_only, reused, buffers);
+  }
+
+  // Takes the lent replicas back (Note [Kept replicas]); true when they are kept.
+  bool park() {
+    if (!state_ || state_->parked) {
+      return state_ != nullptr;
+    }
+    const detail::ProfilerRange range("torchdp.replicate.park");
+    // Out of the cache while it is checked and emptied: freeing the copies may run Python code
+    // (finalizers, weakref callbacks), and with it another thread's call.
+    std::unique_ptr<State> state = std::move(state_);
+    for (const auto j : c10::irange(state->replicas.size())) {
+      for (const auto i : c10::irange(state->replicas[j].size())) {
+        PyObject* replica = state->replicas[j][i].ptr();
+        if (Py_REFCNT(replica) != state->expected[j][i]) {
+          return false; // still in use: left to its holders
+        }
+        // A forward that gave the replica another __dict__ or class: refilling would miss it.
+        const py::object dict = instance_dict(replica);
+        if (!dict.is(state->dicts[j][i].dict) || Py_TYPE(replica) != state->types[i]) {
+          return false;
+        }
+      }
+    }
+    for (auto& device_dicts : state->dicts) {
+      for (auto& d : device_dicts) {
+        clear(d);
+      }
+    }
+    state->parked = true;
+    if (state_) {
+      return false; // another call kept its own replicas meanwhile
+    }
+    state_ = std::move(state);
+    return true;
+  }
+
+  void drop() {
+    state_.reset();
+    buffers_.reset();
+  }
+
+  int64_t builds() const {
+    return builds_;
+  }
+  int64_t reuses() const {
+    return reuses_;
+  }
+  // "empty", "lent" or "parked".
+  std::string state() const {
+    return !state_ ? "empty" : state_->parked ? "parked" : "lent";
+  }
+
+ private:
+  struct State {
+    std::vector<c10::Device> devices;
+    // The class of each module, in network.modules() order (alive: the replicas hold them).
+    std::vector<PyTypeObject*> types;
+    std::vector<std::vector<py::object>> replicas; // [device][module]
+    std::vector<std::vector<ReplicaDicts>> dicts;
+    std::vector<std::vector<Py_ssize_t>> expected; // reference counts when lent (see park)
+    bool parked = false;
+  };
+  // Note [Buffers of failed forwards]: the copy of the network's buffers, kept for the next call.
+  std::shared_ptr<torchdp::BufferSnapshot> buffers_;
+
+  // A refill takes everything from the network's walk of this call; the kept objects only need
+  // the classes of the modules in their positions. So other module objects of the same classes
+  // (a submodule replaced by a new one of its class) reuse them too, and the cache holds no
+  // reference to the network.
+  static bool reusable(const State& state, const Source& s) {
+    if (!s.plain_only || !s.keepable || state.devices != s.devices ||
+        state.types.size() != s.net.modules.size()) {
+      return false;
+    }
+    for (const auto i : c10::irange(state.types.size())) {
+      if (state.types[i] != Py_TYPE(s.net.modules[i].module.ptr())) {
+        return false;
+      }
+    }
+    return true;
+  }
+
+  static void clear(ReplicaDicts& d) {
+    for (const py::object* dict : {&d.dict, &d.params, &d.buffers, &d.modules}) {
+      PyDict_Clear(dict->ptr());
+    }
+    py::object none = steal_or_throw(PyObject_CallMethodNoArgs(d.former.ptr(), refs().key_clear));
+  }
+
+  static std::vector<py::list> refill(const State& state, const Source& s) {
+    const size_t n = state.replicas.size();
+    const size_t count = s.net.modules.size();
+    std::vector<py::list> copies(n);
+    for (const auto j : c10::irange(n)) {
+      copies[j] = py::list(count);
+      for (const auto i : c10::irange(count)) {
+        copies[j][i] = state.replicas[j][i];
+        fill_plain_dicts(s.net.modules[i], state.dicts[j][i]);
+      }
+    }
+    for (const auto i : c10::irange(count)) {
+      for (const auto j : c10::irange(n)) {
+        wire_plain(s.net.modules[i], j, copies, state.dicts, i, s.net, s.tensors,
+                   s.detach && j == 0);
+      }
+    }
+    return copies;
+  }
+
+  std::unique_ptr<State> state_;
+  int64_t builds_ = 0;
+  int64_t reuses_ = 0;
+};
+
+} // namespace
+
+void init_replica_cache(py::module_& m) {
+  py::class_<ReplicaCache>(m, "ReplicaCache", R"doc(Replicas kept between the forwards of one
+DataParallel (replicate_cache.cpp, Note [Kept replicas]).)doc")
+      .def(py::init<>())
+      .def("replicate",
+           torch::wrap_pybind_function([](ReplicaCache& self, py::object network,
+                                          const std::vector<c10::Device>& devices, bool detach,
+                                          std::optional<int64_t> grad_bucket_bytes) {
+             return self.replicate(network, devices, detach, grad_bucket_bytes);
+           }),
+           py::arg("network"), py::arg("devices"), py::arg("detach") = false,
+           py::arg("grad_bucket_bytes") = py::none(),
+           R"doc(As replicate(..., report=True), plus whether parked replicas were reused and a
+BufferSnapshot of the network's buffers taken before the transfer: (copies, plain_only, reused,
+buffers). The replicas are lent until park().)doc")
+      .def("park", &ReplicaCache::park,
+           R"doc(Takes the lent replicas back when nothing but the cache and the replicas refer to
+them (their dictionaries are then emptied); otherwise drops them from the cache. True when kept.)doc")
+      .def("drop", &ReplicaCache::drop, "Forgets the kept replicas.")
+      .def_property_readonly("builds", &ReplicaCache::builds, "Replica sets built so far.")
+      .def_property_readonly("reuses", &ReplicaCache::reuses, "Calls that reused parked replicas.")
+      .def_property_readonly("state", &ReplicaCache::state, "'empty', 'lent' or 'parked'.");
+}
+} // namespace torchdp::python::replication
