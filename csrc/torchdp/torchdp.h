@@ -10,4 +10,3 @@
 #include <torchdp/hooks.h>
 #include <torchdp/parallel_apply.h>
 #include <torchdp/replicate.h>
-#include <torchdp/structure.h>
