@@ -126,7 +126,7 @@ void unflatten_into(const at::Tensor& flat, const std::vector<at::Tensor>& like,
 // Over NCCL, broadcast_coalesced sends every tensor from where it lives, all in one NCCL group,
 // into views of one fresh buffer per bucket and target device. Flattening each bucket into a
 // staging buffer on the source first would cost a copy of every tensor on the source GPU and a
-// group per bucket; it measured slower (benchmarks/results).
+// group per bucket.
 void broadcast_direct(const std::vector<at::Tensor>& inputs, const std::vector<Bucket>& buckets,
                       const std::vector<c10::Device>& devices,
                       std::vector<std::vector<at::Tensor>>& outputs) {

@@ -15,16 +15,14 @@ namespace torchdp {
 // Note [Replicating Modules]
 // LibTorch's torch::nn::parallel::replicate deep-clones the module for every device on every call:
 // clone() runs reset(), which re-initialises every parameter, and then copies the values over. That
-// is what makes its data_parallel ~10x slower than one GPU. torchdp instead keeps a *skeleton* per
+// is what makes its data_parallel slower than one GPU. torchdp instead keeps a *skeleton* per
 // replica, built once with clone(), and on every call only
 //   1. broadcasts the original's parameters and buffers to the devices
-//   (autograd::broadcast_coalesced,
-//      coalesced; buffers that do not require grad, and everything in detach mode, without
-//      history),
+//      (autograd::broadcast_coalesced, coalesced; buffers that do not require grad, and everything
+//      in detach mode, without history),
 //   2. rebinds each registered tensor of each replica *in place* to its device's copy: the
-//   replica's
-//      TensorImpl takes the copy's storage, metadata and version counter, and its gradient edge
-//      points at the broadcast node. Rebinding in place matters: a C++ module reads its tensors
+//      replica's TensorImpl takes the copy's storage, metadata and version counter, and its
+//      gradient edge points at the broadcast node. Rebinding in place matters: a C++ module reads its tensors
 //      through member fields (LinearImpl::weight) that share the TensorImpl with the parameter
 //      registry.
 //   3. runs the post-replicate hooks (replica 0 first), then checks every replica tensor's device.
@@ -111,10 +109,10 @@ std::vector<torch::nn::ModuleHolder<ModuleType>> replicate(
 // Python) therefore copy the original's buffers before replicating and, when the forward, the
 // replication's hooks or the gather fail, copy all of them back. Version counters cannot tell which
 // changed: BatchNorm's kernels update the running statistics without bumping them. The copy is
-// kept from step to step and refreshed in place, one _foreach_copy_ per device and dtype
-// (ResNet-50: 159 buffers, 208 KiB), taken from the walk that replication makes anyway: in C++ from
-// the placement check's, in Python inside the kept-replica cache's replicate (ReplicaCache), which
-// hands it to the forward through a thread-local slot (python/torchdp/replicate.py). Paths without
+// kept from step to step and refreshed in place, one _foreach_copy_ per device and dtype, taken
+// from the walk that replication makes anyway: in C++ from the placement check's, in Python inside
+// the kept-replica cache's replicate (ReplicaCache), which hands it to the forward through a
+// thread-local slot (python/torchdp/replicate.py). Paths without
 // a cache (cache_replicas=False, the functional C++ data_parallel) walk and copy anew each call.
 // Parameters are not copied: changing them in place inside a forward is rare and copying them every
 // step would cost a model's worth of memory traffic.
