@@ -9,7 +9,7 @@
 
 /// Tensor transport between devices, without autograd (see autograd.h for the differentiable
 /// versions). Every function works on any device list torchdp supports (cuda, cpu, meta); on CUDA
-/// devices the NCCL transport is used when torchdp was compiled with it (see nccl/nccl_comm.h),
+/// devices the NCCL transport is used when torchdp was compiled with it (see transport/nccl_comm.h),
 /// otherwise peer copies on each device's current stream.
 namespace torchdp::comm {
 

@@ -508,7 +508,7 @@ TEST_CASE("autograd layer errors name the API", "[cpu][autograd]") {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Gradient buckets (autograd.cpp, Note [Gradient buckets and reduction streams])
+// Gradient buckets (autograd/buckets.cpp, Note [Gradient buckets and reduction streams])
 
 TEST_CASE("autograd::broadcast_coalesced reduces in buckets with the same sums",
           "[cpu][autograd]") {

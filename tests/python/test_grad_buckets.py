@@ -1,6 +1,6 @@
-"""Gradient buckets of the differentiable broadcast (csrc/torchdp/autograd.cpp, Note [Gradient
-buckets and reduction streams]): one backward node per bucket, taken from the end of the
-parameter list, so that each bucket's reduce-add starts as soon as its gradients exist; the
+"""Gradient buckets of the differentiable broadcast (csrc/torchdp/autograd/buckets.cpp,
+Note [Gradient buckets and reduction streams]): one backward node per bucket, taken from the end of
+the parameter list, so that each bucket's reduce-add starts as soon as its gradients exist; the
 results equal the single-bucket reduction and the plain module's gradients."""
 
 from __future__ import annotations

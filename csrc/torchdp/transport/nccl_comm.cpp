@@ -1,4 +1,4 @@
-#include <torchdp/nccl/nccl_comm.h>
+#include <torchdp/transport/nccl_comm.h>
 #include <torchdp/profiling.h>
 
 #include <c10/cuda/CUDAFunctions.h>

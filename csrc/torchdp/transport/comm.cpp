@@ -3,7 +3,7 @@
 #include <torchdp/devices.h>
 #include <torchdp/profiling.h>
 #if TORCHDP_WITH_NCCL
-#include <torchdp/nccl/nccl_comm.h>
+#include <torchdp/transport/nccl_comm.h>
 #endif
 
 #include <ATen/Functions.h>

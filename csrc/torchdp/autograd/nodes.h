@@ -1,6 +1,6 @@
 #pragma once
 
-// What the autograd nodes of autograd.cpp (scatter, gather, reduce-add) and autograd_buckets.cpp
+// What the autograd nodes of nodes.cpp (scatter, gather, reduce-add) and buckets.cpp
 // (the broadcast's gradient buckets) share. Internal: not part of the public API.
 #include <ATen/core/Tensor.h>
 #include <c10/core/GradMode.h>

@@ -1,7 +1,7 @@
 // The differentiable broadcast of autograd.h: its backward reduces the gradients in buckets, each as
 // soon as its gradients exist (Note [Gradient buckets and reduction streams]).
 #include <torchdp/autograd.h>
-#include <torchdp/autograd_nodes.h>
+#include <torchdp/autograd/nodes.h>
 #include <torchdp/devices.h>
 #include <torchdp/profiling.h>
 

@@ -1,7 +1,7 @@
 // The differentiable scatter, gather and reduce-add of autograd.h, as autograd nodes; the
-// broadcast and its gradient buckets are in autograd_buckets.cpp.
+// broadcast and its gradient buckets are in buckets.cpp.
 #include <torchdp/autograd.h>
-#include <torchdp/autograd_nodes.h>
+#include <torchdp/autograd/nodes.h>
 #include <torchdp/devices.h>
 
 #include <ATen/WrapDimUtils.h>
