@@ -43,6 +43,15 @@ def _rss_mb() -> float:
     raise AssertionError("no VmRSS in /proc/self/status")
 
 
+def _python(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    """A fresh interpreter that imports this torchdp (the test's sys.path)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    return subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=env
+    )
+
+
 needs_proc = pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs /proc")
 needs_fork = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 
@@ -388,16 +397,8 @@ ROLLBACK_SCRIPT = textwrap.dedent(
 
 
 def test_a_rollback_never_erases_another_threads_updates():
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
     steps = 300
-    result = subprocess.run(
-        [sys.executable, "-c", f"STEPS = {steps}\n" + ROLLBACK_SCRIPT],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
+    result = _python("-c", f"STEPS = {steps}\n" + ROLLBACK_SCRIPT, timeout=300)
     assert result.returncode == 0, result.stderr
     tracked, failures, warned = map(int, result.stdout.split())
     assert failures == steps
@@ -531,15 +532,7 @@ EXIT_SCRIPT = textwrap.dedent(
 )
 @pytest.mark.parametrize("delay", [0.0, 0.03, 0.1])
 def test_interpreter_exit_in_the_middle_of_a_forward(delay):
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    result = subprocess.run(
-        [sys.executable, "-c", f"DELAY = {delay}\n" + EXIT_SCRIPT],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-    )
+    result = _python("-c", f"DELAY = {delay}\n" + EXIT_SCRIPT, timeout=120)
     assert result.returncode == 0, (result.returncode, result.stderr[-2000:])
     assert result.stdout.strip() == "exiting"
 
@@ -552,11 +545,7 @@ SOAK = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "soak.p
 
 
 def _soak(*args: str) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    return subprocess.run(
-        [sys.executable, SOAK, *args], capture_output=True, text=True, timeout=600, env=env
-    )
+    return _python(SOAK, *args, timeout=600)
 
 
 @needs_proc
