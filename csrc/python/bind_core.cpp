@@ -3,7 +3,7 @@
 // core (csrc/torchdp), so that C++ users get the same behaviour.
 //
 // Errors and warnings: every binding runs inside torch's HANDLE_TH_ERRORS (through
-// torch::wrap_pybind_function_no_gil or explicitly), so c10::Error becomes RuntimeError,
+// without_gil or explicitly), so c10::Error becomes RuntimeError,
 // c10::ValueError ValueError, c10::IndexError IndexError, ... exactly as for torch's own functions,
 // and TORCH_WARN becomes a Python UserWarning. The GIL is released while C++ works.
 
@@ -17,10 +17,6 @@
 #include <c10/core/DeviceGuard.h>
 #include <c10/util/Exception.h>
 #include <c10/util/irange.h>
-
-#if defined(__GLIBCXX__)
-#include <cxxabi.h> // abi::__forced_unwind
-#endif
 
 #include <cstddef>
 #include <cstdint>
@@ -65,6 +61,25 @@ struct PythonError {
 // asynchronously, so device j starts as soon as its forward is issued); same results, same error
 // rule (every function runs; the lowest-index exception is re-raised), except that an exception
 // that is not an Exception (KeyboardInterrupt on Ctrl-C, SystemExit) is raised at once.
+// fn(), called without pybind11's argument tuple, so that no C++ frame lies between Python and
+// the catch: a thread ended while fn runs is parked (Note [Taking the GIL at interpreter exit]).
+TORCHDP_CATCHES_FORCED_UNWIND py::object call_no_args(const py::function& fn) {
+  PyObject* result = nullptr;
+#if defined(__GLIBCXX__)
+  try {
+    result = PyObject_CallNoArgs(fn.ptr());
+  } catch (abi::__forced_unwind&) {
+    park_until_exit();
+  }
+#else
+  result = PyObject_CallNoArgs(fn.ptr());
+#endif
+  if (result == nullptr) {
+    throw py::error_already_set();
+  }
+  return py::reinterpret_steal<py::object>(result);
+}
+
 py::list run_serially(const std::vector<py::function>& fns,
                       const std::vector<c10::Device>& devices) {
   const size_t n = fns.size();
@@ -76,7 +91,7 @@ py::list run_serially(const std::vector<py::function>& fns,
       guard.reset_device(devices[i]);
     }
     try {
-      results[i] = fns[i]();
+      results[i] = call_no_args(fns[i]);
     } catch (py::error_already_set& e) {
       if (PyErr_GivenExceptionMatches(e.type().ptr(), PyExc_Exception) == 0) {
         throw; // KeyboardInterrupt, SystemExit: the remaining functions do not run
@@ -119,25 +134,6 @@ struct PythonRun {
   std::vector<char> cpp_failed;
 };
 
-// The GIL of a task. An abandoned task may still run when the interpreter exits; Python then
-// ends its thread (pthread_exit) as soon as it asks for the GIL again, and that unwinding must
-// neither be stopped nor run pybind11's thread-state cleanup against a finalizing interpreter:
-// the guard is not released then (the process is exiting).
-class TaskGil {
- public:
-  TaskGil() : gil_(new py::gil_scoped_acquire()) {}
-  ~TaskGil() {
-    if (!interpreter_finalizing()) {
-      delete gil_;
-    }
-  }
-  TaskGil(const TaskGil&) = delete;
-  TaskGil& operator=(const TaskGil&) = delete;
-
- private:
-  py::gil_scoped_acquire* gil_;
-};
-
 int delete_python_run(void* run) {
   delete static_cast<PythonRun*>(run);
   return 0;
@@ -159,8 +155,9 @@ std::shared_ptr<PythonRun> make_python_run(const std::vector<py::function>& fns)
   });
 }
 
-py::list parallel_apply(const std::vector<py::function>& fns,
-                        const std::vector<c10::Device>& devices_in, bool serial) {
+TORCHDP_CATCHES_FORCED_UNWIND py::list parallel_apply(const std::vector<py::function>& fns,
+                                                      const std::vector<c10::Device>& devices_in,
+                                                      bool serial) {
   constexpr const char* api = "torchdp.parallel_apply";
   HANDLE_TH_ERRORS
   TORCH_CHECK_VALUE(fns.size() == devices_in.size(), api, ": got ", fns.size(), " functions but ",
@@ -182,18 +179,18 @@ py::list parallel_apply(const std::vector<py::function>& fns,
     GilRelease no_gil; // Note [Python callables on parallel_run workers]
     devices = normalize_devices(devices_in, api);
     const auto task = [state](size_t i) {
-      TaskGil gil;
+      GilAcquire gil; // Note [Taking the GIL at interpreter exit]
       try {
-        state->results[i] = state->fns[i]();
+        state->results[i] = call_no_args(state->fns[i]);
       } catch (py::error_already_set& e) {
         state->python_errors[i] = PythonError{e.type(), e.value(), e.trace()};
       } catch (...) {
-        state->cpp_failed[i] = 1; // also set by a forced unwind, which nobody reads then
+        state->cpp_failed[i] = 1;
         throw;
       }
     };
     const auto interrupted = [&interrupt, &state] {
-      py::gil_scoped_acquire gil;
+      GilAcquire gil;
       // The signal may have reached the caller while it ran function 0 instead.
       const auto& first = state->python_errors[0].type;
       if (first && PyErr_GivenExceptionMatches(first.ptr(), PyExc_Exception) == 0) {
@@ -210,7 +207,7 @@ py::list parallel_apply(const std::vector<py::function>& fns,
       parallel_run(n, devices, task, interrupted);
 #if defined(__GLIBCXX__)
     } catch (abi::__forced_unwind&) {
-      throw; // the thread is ending (interpreter exit): never stopped
+      park_until_exit(); // Note [Taking the GIL at interpreter exit]
 #endif
     } catch (const Interrupted&) {
       // Handled below, with the GIL.
@@ -258,20 +255,18 @@ py::list parallel_apply(const std::vector<py::function>& fns,
 } // namespace
 
 void init_core(py::module_& m) {
-  using torch::wrap_pybind_function_no_gil;
-
   m.def(
-      "has_cuda", wrap_pybind_function_no_gil([]() {
+      "has_cuda", without_gil([]() {
         return torchdp::has_cuda();
       }),
       R"doc(True when torchdp was compiled with its CUDA fast paths and CUDA devices are visible.)doc");
 
-  m.def("has_nccl", wrap_pybind_function_no_gil([]() {
+  m.def("has_nccl", without_gil([]() {
           return torchdp::has_nccl();
         }),
         R"doc(True when torchdp was compiled with its NCCL transport.)doc");
 
-  m.def("cuda_device_count", wrap_pybind_function_no_gil([]() {
+  m.def("cuda_device_count", without_gil([]() {
           return torchdp::cuda_device_count();
         }),
         R"doc(The number of visible CUDA devices (0 on CPU-only builds or machines).)doc");
@@ -294,10 +289,9 @@ when a device of the list holds data).)doc");
 
   m.def(
       "normalize_devices",
-      wrap_pybind_function_no_gil(
-          [](const std::vector<c10::Device>& devices, const std::string& api) {
-            return torchdp::normalize_devices(devices, api.c_str());
-          }),
+      without_gil([](const std::vector<c10::Device>& devices, const std::string& api) {
+        return torchdp::normalize_devices(devices, api.c_str());
+      }),
       py::arg("devices"), py::arg("api"),
       R"doc(Normalises a device list the way every torchdp function does: ``cpu:0`` and ``meta:0`` become
 ``cpu`` and ``meta``, ``cuda`` without an index becomes the current CUDA device. A device may
@@ -316,9 +310,9 @@ Raises:
 
   m.def(
       "broadcast_coalesced",
-      wrap_pybind_function_no_gil([](const std::vector<at::Tensor>& tensors,
-                                     const std::vector<c10::Device>& devices, int64_t buffer_size,
-                                     bool differentiable) {
+      without_gil([](const std::vector<at::Tensor>& tensors,
+                     const std::vector<c10::Device>& devices, int64_t buffer_size,
+                     bool differentiable) {
         if (differentiable) {
           return torchdp::autograd::broadcast_coalesced(
               tensors, devices,
@@ -351,9 +345,8 @@ Example::
     >>> w1, b1 = copies[1])doc");
 
   m.def("reduce_add_coalesced",
-        wrap_pybind_function_no_gil([](const std::vector<std::vector<at::Tensor>>& per_device,
-                                       c10::Device destination, int64_t buffer_size,
-                                       bool differentiable) {
+        without_gil([](const std::vector<std::vector<at::Tensor>>& per_device,
+                       c10::Device destination, int64_t buffer_size, bool differentiable) {
           if (differentiable) {
             return torchdp::autograd::reduce_add_coalesced(
                 per_device, destination,
@@ -379,10 +372,9 @@ Returns:
     List[Tensor]: the sums, each with its own storage.)doc");
 
   m.def("scatter",
-        wrap_pybind_function_no_gil([](const at::Tensor& tensor,
-                                       const std::vector<c10::Device>& devices,
-                                       const std::optional<std::vector<int64_t>>& chunk_sizes,
-                                       int64_t dim, bool differentiable) {
+        without_gil([](const at::Tensor& tensor, const std::vector<c10::Device>& devices,
+                       const std::optional<std::vector<int64_t>>& chunk_sizes, int64_t dim,
+                       bool differentiable) {
           if (differentiable) {
             return torchdp::autograd::scatter(tensor, devices, chunk_sizes, dim);
           }
@@ -405,8 +397,8 @@ Returns:
     List[Tensor]: the chunks; a chunk already on its target device shares the input's storage.)doc");
 
   m.def("gather",
-        wrap_pybind_function_no_gil([](const std::vector<at::Tensor>& tensors,
-                                       c10::Device destination, int64_t dim, bool differentiable) {
+        without_gil([](const std::vector<at::Tensor>& tensors, c10::Device destination, int64_t dim,
+                       bool differentiable) {
           if (differentiable) {
             return torchdp::autograd::gather(tensors, destination, dim);
           }

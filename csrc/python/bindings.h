@@ -8,10 +8,21 @@
 // folder (see the Python section of the top-level CMakeLists.txt), so the module's pybind11 ABI is
 // torch's.
 
-#include <torch/csrc/Exceptions.h> // HANDLE_TH_ERRORS, torch::wrap_pybind_function_no_gil
+#include <torch/csrc/Exceptions.h> // HANDLE_TH_ERRORS
 #include <torch/csrc/utils/pybind.h>
 
 #include <pybind11/stl.h>
+
+#include <utility>
+
+#if defined(__GLIBCXX__)
+#include <cxxabi.h> // abi::__forced_unwind
+// A forced unwind has no exception object: UBSan would report its catch clause as a null
+// reference binding.
+#define TORCHDP_CATCHES_FORCED_UNWIND __attribute__((no_sanitize("null")))
+#else
+#define TORCHDP_CATCHES_FORCED_UNWIND
+#endif
 
 namespace torchdp::python {
 
@@ -24,23 +35,49 @@ inline bool interpreter_finalizing() {
 #endif
 }
 
-/// Releases the GIL for its scope, for waits that may outlast the interpreter. At exit CPython
-/// ends a daemon thread that asks for the GIL back (pthread_exit); asked from a destructor, that
-/// unwinding would std::terminate the process. So normal paths take the GIL back with
-/// reacquire(), and the destructor (exception paths) only while the interpreter is not
-/// finalizing (then the thread is ending anyway).
+// Note [Taking the GIL at interpreter exit]
+// Before 3.14, CPython ends a thread that asks for the GIL once the interpreter finalizes: it
+// calls pthread_exit, whose unwinding runs every C++ destructor above, and these destroy Python
+// objects without the GIL (a crash while the main thread collects garbage), or std::terminate the
+// process when the request came from a destructor (noexcept). torchdp takes the GIL only through
+// the helpers below, which park such a thread for good instead, as CPython 3.14 does: it holds no
+// lock then, and the process is exiting. The other threads are never affected.
+
+/// Blocks the calling thread until the process ends.
+[[noreturn]] void park_until_exit();
+
+/// PyEval_RestoreThread, parking the thread (never unwinding it) at interpreter exit.
+void restore_thread(PyThreadState* state);
+
+/// Holds the GIL for its scope, on any thread (PyGILState_Ensure), parking the thread at
+/// interpreter exit.
+class GilAcquire {
+ public:
+  GilAcquire();
+  ~GilAcquire() {
+    PyGILState_Release(state_);
+  }
+  GilAcquire(const GilAcquire&) = delete;
+  GilAcquire& operator=(const GilAcquire&) = delete;
+
+ private:
+  PyGILState_STATE state_;
+};
+
+/// Releases the GIL for its scope. Taking it back never unwinds the thread (restore_thread), so
+/// it is safe from the destructor too.
 class GilRelease {
  public:
   GilRelease() : state_(PyEval_SaveThread()) {}
   ~GilRelease() {
-    if (state_ != nullptr && !interpreter_finalizing()) {
-      PyEval_RestoreThread(state_);
+    if (state_ != nullptr) {
+      restore_thread(state_);
     }
   }
   void reacquire() {
     PyThreadState* state = state_;
     state_ = nullptr;
-    PyEval_RestoreThread(state);
+    restore_thread(state);
   }
   GilRelease(const GilRelease&) = delete;
   GilRelease& operator=(const GilRelease&) = delete;
@@ -48,6 +85,23 @@ class GilRelease {
  private:
   PyThreadState* state_;
 };
+
+template <typename F, typename R, typename... Args>
+auto without_gil_impl(F f, R (F::*)(Args...) const) {
+  return [f = std::move(f)](Args... args) -> R {
+    HANDLE_TH_ERRORS
+    GilRelease no_gil;
+    return f(std::forward<Args>(args)...);
+    END_HANDLE_TH_ERRORS_PYBIND
+  };
+}
+
+/// Wraps a lambda for pybind11: torch's error and warning translation (HANDLE_TH_ERRORS), with
+/// the GIL released while it runs (GilRelease).
+template <typename F>
+auto without_gil(F f) {
+  return without_gil_impl(std::move(f), &F::operator());
+}
 
 /// The core section of torchdp._C (csrc/python/bind_core.cpp): runtime queries, device
 /// normalisation, the comm / autograd transport functions and parallel_apply.

@@ -1,11 +1,49 @@
-// The torchdp._C extension module: only the module definition; the bindings live in
-// bind_core.cpp (core), replicate_*.cpp (nn.Module replication), bind_data_parallel.cpp
-// (DataParallel's checks) and bind_process_group.cpp (gradient averaging across processes). See
-// API.md for the interface.
+// The torchdp._C extension module: the module definition and the GIL helpers of bindings.h. The
+// bindings live in bind_core.cpp (core), replicate_*.cpp (nn.Module replication),
+// bind_data_parallel.cpp (DataParallel's checks) and bind_process_group.cpp (gradient averaging
+// across processes). See API.md for the interface.
 
 #include "bindings.h"
 
 #include <torchdp/config.h>
+
+#include <chrono>
+#include <thread>
+
+namespace torchdp::python {
+
+// Note [Taking the GIL at interpreter exit] (bindings.h).
+void park_until_exit() {
+  for (;;) {
+    std::this_thread::sleep_for(std::chrono::hours(1));
+  }
+}
+
+TORCHDP_CATCHES_FORCED_UNWIND void restore_thread(PyThreadState* state) {
+#if defined(__GLIBCXX__)
+  try {
+    PyEval_RestoreThread(state);
+  } catch (abi::__forced_unwind&) {
+    park_until_exit();
+  }
+#else
+  PyEval_RestoreThread(state);
+#endif
+}
+
+TORCHDP_CATCHES_FORCED_UNWIND GilAcquire::GilAcquire() {
+#if defined(__GLIBCXX__)
+  try {
+    state_ = PyGILState_Ensure();
+  } catch (abi::__forced_unwind&) {
+    park_until_exit();
+  }
+#else
+  state_ = PyGILState_Ensure();
+#endif
+}
+
+} // namespace torchdp::python
 
 #ifndef TORCH_EXTENSION_NAME
 #define TORCH_EXTENSION_NAME _C

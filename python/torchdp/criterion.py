@@ -19,9 +19,9 @@ from torch import nn
 from torch.nn import functional as F
 
 from torchdp import _C
-from torchdp.parallel_apply import get_a_var
-from torchdp.replicate import replicate
 from torchdp._devices import DeviceLike, _check_dim, _to_device
+from torchdp.parallel_apply import get_a_var, record_function
+from torchdp.replicate import replicate
 from torchdp.scatter_gather import gather, scatter_kwargs
 
 __all__ = ["DataParallelCriterion"]
@@ -178,7 +178,7 @@ class DataParallelCriterion(nn.Module):
         for crit, out, tgt, kw, device in zip(
             criteria, outputs, split_targets, split_kwargs, devices, strict=True
         ):
-            with torch.autograd.profiler.record_function("DataParallelCriterion.replica"):
+            with record_function("DataParallelCriterion.replica"):
                 compute = _weighted_sum if weighted else (lambda c, o, t, k: c(o, *t, **k))
                 if device.type == "cuda":
                     with torch.cuda.device(device):

@@ -33,7 +33,7 @@ from torchdp._devices import (
 )
 from torchdp._graphs import MAX_SIGNATURES, GraphedReplicas
 from torchdp._process_group import ProcessGroupSync, check_process_group
-from torchdp.parallel_apply import parallel_apply
+from torchdp.parallel_apply import parallel_apply, record_function
 from torchdp.replicate import (
     _bucket_bytes,
     _buffer_snapshot,
@@ -434,7 +434,7 @@ class DataParallel(_TorchDataParallel[T]):
             raise _device_error(self.src_device_obj, found, wrapper=True)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        with torch.autograd.profiler.record_function("DataParallel.forward"):
+        with record_function("DataParallel.forward"):
             watch = self._before_forward()
             if not self.device_ids:
                 return watch(self._one_output(self.module(*inputs, **kwargs)))

@@ -10,6 +10,7 @@ still running (a hung forward) finish in the background with their results dropp
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -23,6 +24,16 @@ from torchdp._devices import DeviceLike, _device_label, _to_device
 __all__ = ["get_a_var", "parallel_apply"]
 
 _API = "torchdp.parallel_apply"
+
+
+def record_function(name: str) -> contextlib.AbstractContextManager[Any]:
+    """A profiler range named ``name`` while the autograd profiler runs, else nothing.
+
+    Entering torch's record_function is a torch op (it costs microseconds per step, and a daemon
+    thread that enters it while the interpreter exits is ended with std::terminate)."""
+    if torch._C._autograd._profiler_enabled():
+        return torch.autograd.profiler.record_function(name)
+    return contextlib.nullcontext()
 
 
 def get_a_var(obj: Any) -> torch.Tensor | None:
