@@ -55,17 +55,52 @@ T = TypeVar("T", bound=nn.Module)
 _TorchDataParallel = importlib.import_module("torch.nn.parallel.data_parallel").DataParallel
 
 
-def _check_kwargs_chunks(inputs: Sequence[Any], kwargs: Sequence[Any], dim: int) -> None:
-    """PyTorch's scatter_kwargs pads only when the keyword chunks are fewer than the positional
-    *arguments*; its parallel_apply then asserts. Same error, with the cause and the fix."""
-    if len(kwargs) != len(inputs):
-        raise AssertionError(
-            f"The number of modules {len(inputs)} is not equal to the number of "
-            f"kwargs_tup {len(kwargs)}: the keyword arguments split into "
-            f"{len(kwargs)} chunks along dim {dim} and the positional ones "
-            f"into {len(inputs)}; give keyword tensors the same batch size as the "
-            "positional inputs along that dim"
-        )
+_API = "torchdp.DataParallel"
+
+
+def _nonempty(inputs: Sequence[Any], kwargs: Sequence[Any] | None) -> tuple[Any, Any]:
+    """Scattered chunks; a call without arguments runs once, on the first device (and an
+    overridden scatter may say "no keyword arguments" with None, as parallel_apply does)."""
+    if kwargs is None:
+        kwargs = tuple({} for _ in inputs)
+    if not inputs and not kwargs:
+        return ((),), ({},)
+    return inputs, kwargs
+
+
+def _run_replicated(
+    module: nn.Module,
+    replicate_fn: Callable[[], Sequence[nn.Module]],
+    apply_fn: Callable[[Sequence[nn.Module]], list[Any]],
+    gather_fn: Callable[[list[Any]], Any],
+    cache_fn: Callable[[], Any],
+) -> Any:
+    """replicate, parallel_apply, gather. Note [Buffers of failed forwards]: replica 0 updates
+    the module's buffers in place; a failure anywhere from here to the gather writes them back."""
+    buffers = None
+    _expect_buffer_snapshot(module)
+    try:
+        try:
+            replicas = replicate_fn()
+        finally:
+            buffers = _buffer_snapshot(module, fallback=True)
+        try:
+            outputs = apply_fn(replicas)
+        finally:
+            # Note [Kept replicas]: taken back only when nothing holds them (after a failure the
+            # traceback does, and they are dropped at once).
+            del replicas
+            cache = cache_fn()
+            if cache is not None:
+                cache.park()
+        return gather_fn(outputs)
+    except BaseException:
+        if buffers is not None:
+            buffers.restore()
+        raise
+    finally:
+        if buffers is not None:
+            buffers.release()
 
 
 def _chunk_count(size: int, n: int) -> int:
@@ -89,13 +124,29 @@ def _tensor_sizes(obj: Any, path: str, dim: int, out: list[tuple[str, int]]) -> 
             _tensor_sizes(item, f"{path}[{key!r}]", dim, out)
 
 
-def _check_short_inputs(
-    inputs: tuple[Any, ...], kwargs: dict[str, Any] | None, chunks: int, n: int, dim: int, api: str
+def _check_chunks(
+    inputs: tuple[Any, ...],
+    kwargs: dict[str, Any] | None,
+    chunks: Sequence[Any],
+    chunk_kwargs: Sequence[Any],
+    n: int,
+    dim: int,
+    api: str,
 ) -> None:
-    """Fewer chunks than devices happens for a small batch (fewer replicas run, as in PyTorch),
-    but also when one tensor is shorter than the others: scatter's zip then drops the rows of the
-    longer ones without a word (PyTorch too). That case is refused, naming both sizes."""
-    if chunks >= n:
+    """PyTorch's scatter_kwargs pads only when the keyword chunks are fewer than the positional
+    *arguments*; its parallel_apply then asserts: same error, with the cause and the fix. Fewer
+    chunks than devices happens for a small batch (fewer replicas run, as in PyTorch), but also
+    when one tensor is shorter than the others: scatter's zip then drops the rows of the longer
+    ones without a word (PyTorch too). That case is refused, naming both sizes."""
+    if len(chunk_kwargs) != len(chunks):
+        raise AssertionError(
+            f"The number of modules {len(chunks)} is not equal to the number of "
+            f"kwargs_tup {len(chunk_kwargs)}: the keyword arguments split into "
+            f"{len(chunk_kwargs)} chunks along dim {dim} and the positional ones "
+            f"into {len(chunks)}; give keyword tensors the same batch size as the "
+            "positional inputs along that dim"
+        )
+    if len(chunks) >= n:
         return
     sizes: list[tuple[str, int]] = []
     for i, item in enumerate(inputs):
@@ -103,7 +154,7 @@ def _check_short_inputs(
     for key, item in (kwargs or {}).items():
         _tensor_sizes(item, f"keyword argument {key!r}", dim, sizes)
     longest = max(sizes, key=lambda entry: _chunk_count(entry[1], n), default=None)
-    if longest is None or _chunk_count(longest[1], n) <= chunks:
+    if longest is None or _chunk_count(longest[1], n) <= len(chunks):
         return
     shortest = min(sizes, key=lambda entry: _chunk_count(entry[1], n))
     raise ValueError(
@@ -254,7 +305,7 @@ class DataParallel(_TorchDataParallel[T]):
             the CPU, no data-dependent shapes). Post-replicate hooks run when the replicas are
             built, not per forward; :meth:`replicate` and :meth:`parallel_apply` are not called.
             A second forward before the first one's backward runs eagerly. See Note [Graphed
-            replicas] in ``torchdp/_graphs.py``. CUDA devices only. Default: ``False``.
+            replicas] in ``csrc/torchdp/graphed_replicas.h``. CUDA devices only. Default: ``False``.
         cache_replicas (bool, keyword-only): keep the replica modules between forwards and refill
             them at each forward instead of building new ones (the C++ ``DataParallel`` does the
             same). A kept replica gets a fresh copy of the module's attributes, parameters,
@@ -441,48 +492,25 @@ class DataParallel(_TorchDataParallel[T]):
             if len(self.device_ids) > 1:
                 # Before anything runs: the module stays as it was.
                 _C.check_forward_context("torchdp.DataParallel")
-            raw_inputs, raw_kwargs = inputs, kwargs
-            inputs, module_kwargs = self._scatter_arguments(inputs, kwargs)
-            if self.cuda_graphs:
-                outputs = self._graphed_outputs(inputs, module_kwargs)
-                if outputs is not None:
-                    if len(self.device_ids) == 1:
-                        return watch(self._one_output(outputs[0]))
-                    return watch(self._gathered(outputs))
+            chunks, chunk_kwargs = _nonempty(*self.scatter(inputs, kwargs, self.device_ids))
+            outputs = self._graphed_outputs(chunks, chunk_kwargs) if self.cuda_graphs else None
+            if outputs is not None:
+                one = len(self.device_ids) == 1
+                return watch(self._one_output(outputs[0]) if one else self._gathered(outputs))
             if len(self.device_ids) == 1:
-                return watch(self._one_output(self.module(*inputs[0], **module_kwargs[0])))
-            _check_kwargs_chunks(inputs, module_kwargs, self.dim)
-            _check_short_inputs(
-                raw_inputs, raw_kwargs, len(inputs), len(self.device_ids), self.dim,
-                "torchdp.DataParallel",
+                return watch(self._one_output(self.module(*chunks[0], **chunk_kwargs[0])))
+            _check_chunks(
+                inputs, kwargs, chunks, chunk_kwargs, len(self.device_ids), self.dim, _API
             )
-            # Note [Buffers of failed forwards]: replica 0 updates the module's buffers in place;
-            # a failure anywhere from here to the gather writes them back.
-            buffers = None
-            _expect_buffer_snapshot(self.module)
-            try:
-                try:
-                    replicas = self.replicate(self.module, self.device_ids[: len(inputs)])
-                finally:
-                    buffers = _buffer_snapshot(self.module, fallback=True)
-                try:
-                    outputs = self.parallel_apply(replicas, inputs, module_kwargs)
-                finally:
-                    # Note [Kept replicas]: taken back only when nothing holds them (after a
-                    # failure the traceback does, and they are dropped at once).
-                    del replicas
-                    cache = _weak_entry(_REPLICA_CACHES, self, None)
-                    if cache is not None:
-                        cache.park()
-                gathered = self._gathered(outputs)
-            except BaseException:
-                if buffers is not None:
-                    buffers.restore()
-                raise
-            finally:
-                if buffers is not None:
-                    buffers.release()
-            return watch(gathered)
+            return watch(
+                _run_replicated(
+                    self.module,
+                    lambda: self.replicate(self.module, self.device_ids[: len(chunks)]),
+                    lambda replicas: self.parallel_apply(replicas, chunks, chunk_kwargs),
+                    self._gathered,
+                    lambda: _weak_entry(_REPLICA_CACHES, self, None),
+                )
+            )
 
     def _before_forward(self) -> Callable[[Any], Any]:
         """The checks of a forward (options, then the module's placement) and the process group's
@@ -509,18 +537,6 @@ class DataParallel(_TorchDataParallel[T]):
             return outputs
 
         return watch
-
-    def _scatter_arguments(
-        self, inputs: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[Sequence[Any], Sequence[Any]]:
-        """:meth:`scatter`'s chunks; a forward without arguments runs once, on device_ids[0]."""
-        inputs, module_kwargs = self.scatter(inputs, kwargs, self.device_ids)
-        # An overridden scatter may say "no keyword arguments" with None (as parallel_apply).
-        if module_kwargs is None:
-            module_kwargs = tuple({} for _ in inputs)
-        if not inputs and not module_kwargs:
-            return ((),), ({},)
-        return inputs, module_kwargs
 
     def _one_output(self, output: Any) -> Any:
         """The output of a forward that ran once, where the module put it (as PyTorch)."""
@@ -723,47 +739,29 @@ def data_parallel(
 
     if len(used_ids) > 1:
         _C.check_forward_context("torchdp.data_parallel")
-    scattered, scattered_kwargs = scatter_kwargs(inputs, module_kwargs, used_ids, dim)
-    # A call without arguments runs once, on the first device.
-    if not scattered and not scattered_kwargs:
-        scattered = ((),)
-        scattered_kwargs = ({},)
-
+    chunks, chunk_kwargs = _nonempty(*scatter_kwargs(inputs, module_kwargs, used_ids, dim))
     if len(used_ids) == 1:
-        return module(*scattered[0], **scattered_kwargs[0])
-    _check_kwargs_chunks(scattered, scattered_kwargs, dim)
-    _check_short_inputs(
-        inputs, module_kwargs, len(scattered), len(used_ids), dim, "torchdp.data_parallel"
+        return module(*chunks[0], **chunk_kwargs[0])
+    _check_chunks(
+        inputs, module_kwargs, chunks, chunk_kwargs, len(used_ids), dim, "torchdp.data_parallel"
     )
-    used = used_ids[: len(scattered)]
-    buffers = None
-    _expect_buffer_snapshot(module)  # Note [Buffers of failed forwards]
-    try:
-        cache = None
-        try:
-            if cache_replicas:
-                cache = _weak_entry(_FUNCTIONAL_CACHES, module, _C.ReplicaCache)
-                replicas = _replicate(
-                    module, used, False, None, stale_attributes, cache, "torchdp.replicate"
-                )
-            elif stale_attributes is None:  # the call PyTorch makes
-                replicas = replicate(module, used)
-            else:
-                replicas = replicate(module, used, stale_attributes=stale_attributes)
-        finally:
-            buffers = _buffer_snapshot(module, fallback=True)
-        serial = _first_compiled_call(module, scattered, scattered_kwargs)
-        try:
-            outputs = parallel_apply(replicas, scattered, scattered_kwargs, used, serial=serial)
-        finally:
-            del replicas
-            if cache is not None:
-                cache.park()  # Note [Kept replicas]
-        return gather(outputs, target, dim)
-    except BaseException:
-        if buffers is not None:
-            buffers.restore()
-        raise
-    finally:
-        if buffers is not None:
-            buffers.release()
+    used = used_ids[: len(chunks)]
+    cache = _weak_entry(_FUNCTIONAL_CACHES, module, _C.ReplicaCache) if cache_replicas else None
+
+    def replicate_fn() -> list[nn.Module]:
+        if cache is not None:
+            return _replicate(
+                module, used, False, None, stale_attributes, cache, "torchdp.replicate"
+            )
+        if stale_attributes is None:  # the call PyTorch makes
+            return replicate(module, used)
+        return replicate(module, used, stale_attributes=stale_attributes)
+
+    serial = _first_compiled_call(module, chunks, chunk_kwargs)
+    return _run_replicated(
+        module,
+        replicate_fn,
+        lambda replicas: parallel_apply(replicas, chunks, chunk_kwargs, used, serial=serial),
+        lambda outputs: gather(outputs, target, dim),
+        lambda: cache,
+    )
