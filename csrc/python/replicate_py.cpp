@@ -141,8 +141,8 @@ void check_replica_devices(const std::vector<py::list>& copies,
   }
 }
 
-// True when every parameter and buffer of `module` is on `device` (the per-forward check of
-// DataParallel; the caller looks for names only when this fails).
+// True when every parameter and buffer of `module` is on `device`: a walk of the modules'
+// dictionaries, the per-forward path of DataParallel's placement check.
 bool all_on_device(py::handle module, const c10::Device& device_in) {
   const auto device = detail::canonical(device_in);
   TypeTable types;
@@ -169,6 +169,26 @@ bool all_on_device(py::handle module, const c10::Device& device_in) {
     }
   }
   return true;
+}
+
+// The first parameter or buffer of `module` not on `device`, as named_parameters() and
+// named_buffers() (duplicates included) list them; names are looked for only on failure.
+std::optional<std::tuple<std::string, std::string, c10::Device>> misplaced_tensor(
+    py::handle module, const c10::Device& device) {
+  if (all_on_device(module, device)) {
+    return std::nullopt;
+  }
+  const auto expected = detail::canonical(device);
+  for (auto [method, kind] : {std::make_pair("named_parameters", "parameter"),
+                              std::make_pair("named_buffers", "buffer")}) {
+    for (auto item : module.attr(method)(py::arg("remove_duplicate") = false)) {
+      const auto entry = py::reinterpret_borrow<py::tuple>(item);
+      if (auto found = misplaced(entry[1].ptr(), expected)) {
+        return std::make_tuple(std::string(kind), entry[0].cast<std::string>(), *found);
+      }
+    }
+  }
+  return std::nullopt; // a module whose named_* disagree with parameters()/buffers()
 }
 
 } // namespace
@@ -251,10 +271,10 @@ written back into them (Note [Buffers of failed forwards]).)doc")
         py::arg("network"),
         R"doc(A BufferSnapshot of network.buffers(): DataParallel writes it back when a replicated
 forward fails (Note [Buffers of failed forwards] in csrc/torchdp/replicate.h).)doc");
-  m.def("all_on_device", torch::wrap_pybind_function(all_on_device), py::arg("module"),
+  m.def("misplaced_tensor", torch::wrap_pybind_function(misplaced_tensor), py::arg("module"),
         py::arg("device"),
-        R"doc(True when every parameter and buffer of `module` (as module.parameters() and
-module.buffers() list them) is on `device`.)doc");
+        R"doc(None when every parameter and buffer of `module` is on `device`, else the first one
+that is not, as (kind, qualified name, device): DataParallel's placement check.)doc");
 }
 
 } // namespace torchdp::python

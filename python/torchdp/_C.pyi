@@ -117,7 +117,9 @@ class ProcessGroupSync:  # only when torchdp is built with c10d
     @property
     def reductions(self) -> int: ...
 
-def all_on_device(module: nn.Module, device: torch.device) -> bool: ...
+def misplaced_tensor(
+    module: nn.Module, device: torch.device
+) -> tuple[str, str, torch.device] | None: ...
 def check_replica_devices(
     copies: Sequence[list[nn.Module]],
     devices: Sequence[torch.device],

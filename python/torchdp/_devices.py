@@ -7,7 +7,6 @@ from __future__ import annotations
 import operator
 import warnings
 from collections.abc import Sequence
-from itertools import chain
 from typing import Any
 
 import torch
@@ -180,17 +179,7 @@ def _check_module_device(
     module: nn.Module, src_device: torch.device
 ) -> tuple[str, str, torch.device] | None:
     """The first parameter or buffer not on ``src_device``, as (kind, qualified name, device)."""
-    if _C.all_on_device(module, src_device):  # a dictionary walk in C++: the per-forward path
-        return None
-    t = next(t for t in chain(module.parameters(), module.buffers()) if t.device != src_device)
-    # Only on failure: find the qualified name of the first offending tensor.
-    for name, p in module.named_parameters(remove_duplicate=False):
-        if p.device != src_device:
-            return "parameter", name, p.device
-    for name, b in module.named_buffers(remove_duplicate=False):
-        if b.device != src_device:
-            return "buffer", name, b.device
-    return "tensor", "?", t.device  # pragma: no cover - both walks see the same tensors
+    return _C.misplaced_tensor(module, src_device)
 
 
 def _device_error(

@@ -541,17 +541,18 @@ def test_functional_errors():
 
 
 def test_device_check_sees_every_parameter_and_buffer():
-    # torchdp._C.all_on_device is the per-forward check: nested, shared and scripted modules.
+    # torchdp._C.misplaced_tensor is the per-forward check: nested, shared and scripted modules.
     inner = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
     net = nn.Sequential(inner, nn.ReLU(), inner, None)
-    assert torchdp._C.all_on_device(net, CPU)
-    assert not torchdp._C.all_on_device(net, META)
+    assert torchdp._C.misplaced_tensor(net, CPU) is None
+    assert torchdp._C.misplaced_tensor(net, META) == ("parameter", "0.0.weight", CPU)
     inner[1]._buffers["num_batches_tracked"] = inner[1].num_batches_tracked.to("meta")
-    assert not torchdp._C.all_on_device(net, CPU)
+    found = torchdp._C.misplaced_tensor(net, CPU)
+    assert found == ("buffer", "0.1.num_batches_tracked", META)
     scripted = nn.Sequential(nn.Linear(2, 2), torch.jit.script(nn.Linear(2, 2)))
-    assert torchdp._C.all_on_device(scripted, CPU)
+    assert torchdp._C.misplaced_tensor(scripted, CPU) is None
     scripted[1].to("meta")
-    assert not torchdp._C.all_on_device(scripted, CPU)
+    assert torchdp._C.misplaced_tensor(scripted, CPU) == ("parameter", "1.weight", META)
 
 
 def test_wrappers_pickled_before_the_new_options_still_run():
