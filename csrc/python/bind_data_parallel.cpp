@@ -1,11 +1,16 @@
 // The checks of DataParallel's options and module (csrc/torchdp/data_parallel.h, namespace
 // detail), for the Python wrapper: made once in C++ for both front ends. Python keeps only what
 // is Python-specific (argument types, walking a Python module for a misplaced tensor's name).
+// Also the CUDA-graph engine, GraphedSteps (csrc/torchdp/graphed_replicas.h), which
+// python/torchdp/_graphs.py drives over Python replicas.
 
 #include "bindings.h"
 
 #include <torchdp/autograd.h>
 #include <torchdp/data_parallel.h>
+#include <torchdp/graphed_replicas.h>
+
+#include <pybind11/functional.h>
 
 #include <string>
 #include <vector>
@@ -40,6 +45,49 @@ void init_data_parallel(py::module_& m) {
         }),
         py::arg("mib"), py::arg("api"),
         "Bytes of a gradient bucket of ``mib`` MiB; ValueError unless finite and >= 0.");
+
+  // Without the GIL, as torch.autograd.grad runs (a custom Python autograd.Function in the model
+  // needs it on the engine's device threads); the forward callback takes it (pybind11's
+  // std::function wrapper does).
+  using detail::GraphedSteps;
+  py::class_<GraphedSteps>(m, "GraphedSteps",
+                           "The CUDA-graph engine of cuda_graphs=True, over tensors (Note "
+                           "[Graphed replicas] in csrc/torchdp/graphed_replicas.h).")
+      .def(py::init(torch::wrap_pybind_function(
+               [](std::vector<c10::Device> devices, size_t max_signatures, std::string api) {
+                 return std::make_unique<GraphedSteps>(std::move(devices), max_signatures,
+                                                       std::move(api));
+               })),
+           py::arg("devices"), py::arg("max_signatures"), py::arg("api"))
+      .def("rebuild",
+           without_gil([](GraphedSteps& self, std::vector<at::Tensor> params,
+                          std::vector<at::Tensor> buffers, size_t n) {
+             std::vector<std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>>> out;
+             for (auto& s : self.rebuild(std::move(params), std::move(buffers), n)) {
+               out.emplace_back(std::move(s.params), std::move(s.buffers));
+             }
+             return out;
+           }),
+           py::arg("params"), py::arg("buffers"), py::arg("n"),
+           "Lays out n replicas anew: per replica, the (parameters, buffers) to install.")
+      .def("bind",
+           torch::wrap_pybind_function(
+               [](GraphedSteps& self, size_t j, std::vector<at::Tensor> grad_leaves) {
+                 self.bind(j, std::move(grad_leaves));
+               }),
+           py::arg("j"), py::arg("grad_leaves"),
+           "Replica j's leaves for the parameters that require grad, in order.")
+      .def("run",
+           without_gil([](GraphedSteps& self, const std::string& key,
+                          const std::vector<std::vector<at::Tensor>>& inputs,
+                          const GraphedSteps::Forward& forward) {
+             return self.run(key, inputs, forward);
+           }),
+           py::arg("key"), py::arg("inputs"), py::arg("forward"),
+           "Every replica's output tensors, or None when this forward runs eagerly; "
+           "forward(j, tensors) runs replica j while a signature is captured.")
+      .def_property_readonly("replicas", &GraphedSteps::replicas)
+      .def_property_readonly("captures_made", &GraphedSteps::captures_made);
 }
 
 } // namespace torchdp::python

@@ -48,7 +48,7 @@ struct DataParallelOptions {
   /// graphs, captured once per input signature (up to 8; others run eagerly). For modules bound
   /// by the CPU (many small layers); the forward must be capturable (no synchronisation with the
   /// CPU, no data-dependent shapes). CUDA devices only, in builds with TORCHDP_WITH_CUDA. See
-  /// Note [Graphed replicas in C++] in torchdp/graphed_replicas.h.
+  /// Note [Graphed replicas] in torchdp/graphed_replicas.h.
   TORCH_ARG(bool, cuda_graphs) = false;
 #if TORCHDP_WITH_C10D
   /// Average the gradients over the processes of this c10d group after each backward pass, as

@@ -7,27 +7,74 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
+#include <string>
 #include <vector>
 
 namespace torchdp::detail {
 
-// Note [Graphed replicas in C++]
-// DataParallelOptions::cuda_graphs: the C++ form of the Python cuda_graphs option (Note [Graphed
-// replicas] in python/torchdp/_graphs.py). Replicas are built once, by a Replicator of their own
-// (post-replicate hooks and the device check run then), and kept: replica 0's parameters are leaf
-// tensors over the module's own parameter storage and its buffers share the module's buffers;
-// replica j >= 1 holds one flat tensor per dtype for its parameters and one for its buffers,
-// refreshed from the module before every forward (one packing copy per dtype on the first device,
-// one copy per device). Per input signature (each replica's input shapes, dtypes and devices,
-// the training flags, grad mode and autocast state) each replica's forward and, when gradients are
-// needed, its backward are captured once as CUDA graphs, after warm-up steps whose effects on
-// buffers and random number generators are undone; the backward graph packs the parameter
-// gradients into one flat tensor per dtype (zeros for unused parameters). A forward replays the
-// forward graphs; one autograd node (inputs: the scattered chunks and the module's parameters)
-// replays the backward graphs, sums the flat gradients on the first device and hands every
-// parameter its slice. A second forward of a signature whose previous backward is still pending
-// runs eagerly (run() returns nothing); a backward through a forward whose graphs were replayed
-// since raises. Parameters or buffers with new storage make the next forward rebuild everything.
+// Note [Graphed replicas]
+// cuda_graphs=True replays each replica's forward and backward as CUDA graphs: a model of many
+// small layers is bound by the CPU, and every replica issues as many kernels as the whole model
+// does on one device. Graphs need fixed addresses, so the replicas are kept between steps:
+// replica 0 reads the module's own parameter storage and buffers; replica j >= 1 holds one flat
+// tensor per dtype for its parameters and one for its buffers, refreshed from the module before
+// every forward (one packing copy per dtype on the first device, one copy per device). Per input
+// signature, each replica's forward and, when gradients are needed, its backward are captured
+// once, after warm-up steps whose effects on buffers and random number generators are undone;
+// the backward graph packs the parameter gradients into one flat tensor per dtype (zeros for
+// unused parameters). One autograd node (inputs: the chunks and the module's parameters) replays
+// the backward graphs, sums the flat gradients on the first device and hands every parameter its
+// slice. A second forward of a signature whose backward is still pending runs eagerly; a backward
+// through a forward whose graphs were replayed since raises. GraphedSteps is that engine, over
+// tensors only; each front end (GraphedReplicas here, python/torchdp/_graphs.py) builds the
+// replicas, installs the engine's storage in them and calls their forwards.
+class GraphedSteps {
+ public:
+  /// Runs replica j's forward on `inputs` (on devices[j]) and returns its output tensors.
+  using Forward =
+      std::function<std::vector<at::Tensor>(size_t j, const std::vector<at::Tensor>& inputs)>;
+
+  /// What replica j's parameters and buffers are made of, in the order given to rebuild().
+  struct Storage {
+    std::vector<at::Tensor> params, buffers;
+  };
+
+  /// `api` names the option in errors ("torchdp.DataParallel(cuda_graphs=True)").
+  GraphedSteps(std::vector<c10::Device> devices, size_t max_signatures, std::string api);
+  ~GraphedSteps();
+  GraphedSteps(const GraphedSteps&) = delete;
+  GraphedSteps& operator=(const GraphedSteps&) = delete;
+
+  /// Drops every capture and lays out replicas 0..n-1 for the module's distinct `params` and
+  /// `buffers` (all on devices[0]): replica 0 over their own storage (detached parameters, the
+  /// buffers themselves), replica j >= 1 over flat tensors on devices[j].
+  std::vector<Storage> rebuild(std::vector<at::Tensor> params, std::vector<at::Tensor> buffers,
+                               size_t n);
+  /// Replica j's leaves for the parameters that require grad, in order: the graphs
+  /// differentiate with respect to them.
+  void bind(size_t j, std::vector<at::Tensor> grad_leaves);
+  /// Replicas laid out by the last rebuild().
+  size_t replicas() const;
+
+  /// Every replica's output tensors, or nothing when this forward has to run eagerly (inference
+  /// mode, a pending backward of the same signature, no room for another signature). `key` tells
+  /// apart what the tensors do not (training flags, the other arguments).
+  std::optional<std::vector<std::vector<at::Tensor>>> run(
+      const std::string& key, const std::vector<std::vector<at::Tensor>>& inputs,
+      const Forward& forward);
+  /// Signatures captured so far (also those dropped by a rebuild).
+  int64_t captures_made() const;
+
+  struct State; // implementation detail (graphed_steps.cpp)
+
+ private:
+  std::shared_ptr<State> state_;
+};
+
+/// DataParallelOptions::cuda_graphs: GraphedSteps over replicas of a torch::nn::Module, built by
+/// a Replicator of their own (post-replicate hooks and the device check run then). Parameters or
+/// buffers with new storage make the next forward rebuild everything.
 class GraphedReplicas {
  public:
   /// Calls the forward of one replica on its arguments.
@@ -36,22 +83,23 @@ class GraphedReplicas {
 
   GraphedReplicas(std::shared_ptr<torch::nn::Module> module, std::vector<c10::Device> devices,
                   size_t max_signatures);
-  ~GraphedReplicas();
-  GraphedReplicas(const GraphedReplicas&) = delete;
-  GraphedReplicas& operator=(const GraphedReplicas&) = delete;
 
   /// One output per replica (chunks[j] are replica j's arguments, on devices[j]), or an empty
   /// vector when this forward has to run eagerly.
   std::vector<at::Tensor> run(const std::vector<std::vector<at::Tensor>>& chunks, const Call& call);
-  /// Signatures captured so far (all of them, also those dropped by a rebuild).
   int64_t captures_made() const;
   /// The module the replicas were made of.
   const std::shared_ptr<torch::nn::Module>& module() const;
 
-  struct State; // implementation detail (graphed_replicas.cpp)
-
  private:
-  std::shared_ptr<State> state_;
+  std::vector<int64_t> current_layout() const;
+  void rebuild(size_t n);
+
+  std::shared_ptr<torch::nn::Module> module_;
+  std::vector<c10::Device> devices_;
+  GraphedSteps steps_;
+  std::vector<int64_t> layout_;
+  std::vector<std::shared_ptr<torch::nn::Module>> replicas_;
 };
 
 /// Whether this build can capture CUDA graphs (TORCHDP_WITH_CUDA).

@@ -366,14 +366,15 @@ def test_graphed_replicas_rebind_plain_aliases_of_registered_tensors():
     params, buffers = list(net.parameters()), list(net.buffers())
     copies = torchdp.replicate(net, cpu_devices(2), detach=True)
     for j, copy in enumerate(copies):
-        if j == 0:
-            param_storage, buffer_storage = [p.detach() for p in params], buffers
-        else:
-            param_storage = graphs._Mirror(params).mirror(cpu).views
-            buffer_storage = graphs._Mirror(buffers).mirror(cpu).views
-        replica = graphs._Replica(net, copy, params, buffers, param_storage, buffer_storage, cpu)
-        m = replica.module
-        assert m.lin.weight is not net.lin.weight and m.lin.weight.is_leaf
+        # What the engine hands replica j: storage of its own for the parameters, and (replica 0)
+        # the module's own buffers or (others) copies.
+        buffer_storage = buffers if j == 0 else [b.clone() for b in buffers]
+        leaves = [torch.nn.Parameter(p.detach().clone()) for p in params]
+        tensors = {id(p): leaf for p, leaf in zip(params, leaves)}
+        tensors.update({id(b): v for b, v in zip(buffers, buffer_storage)})
+        graphs._install(net, copy, tensors, j)
+        m = copy
+        assert m.lin.weight is leaves[0] and m.lin.weight.is_leaf
         assert m.w is m.lin.weight
         assert m.parts[0] is m.lin.bias
         assert m.parts[1]["mean"] is m.bn.running_mean
