@@ -5,6 +5,7 @@
 #include <torchdp/replicate.h>
 
 #include <c10/core/GradMode.h>
+#include <c10/core/InferenceMode.h>
 #include <c10/util/Exception.h>
 #include <c10/util/irange.h>
 
@@ -136,6 +137,9 @@ void GraphedReplicas::rebuild(size_t n) {
 
 std::vector<at::Tensor> GraphedReplicas::run(const std::vector<std::vector<at::Tensor>>& chunks,
                                              const Call& call) {
+  if (c10::InferenceMode::is_enabled()) {
+    return {}; // the engine runs it eagerly; no replicas of inference tensors either
+  }
   const size_t n = chunks.size();
   auto layout = current_layout();
   if (layout != layout_ || steps_.replicas() < n) {

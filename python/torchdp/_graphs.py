@@ -190,6 +190,8 @@ class GraphedReplicas:
 
     def run(self, inputs: Sequence[Any], kwargs: Sequence[Any]) -> list[Any] | None:
         """The per-replica outputs of one forward, or None when this forward must run eagerly."""
+        if torch.is_inference_mode_enabled():
+            return None  # the engine runs it eagerly; no replicas of inference tensors either
         n = len(inputs)
         modules = list(self.module.modules())
         layout = self._current_layout(modules)

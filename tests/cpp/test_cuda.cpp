@@ -409,3 +409,26 @@ TEST_CASE("CUDA graphs: pending and replayed backward passes", "[cuda]") {
   CHECK(graphed->graph_captures() == captures);
   graphed->forward(x2).sum().backward();
 }
+
+TEST_CASE("CUDA graphs: a first forward in inference mode, then training", "[cuda]") {
+  TORCHDP_NEED_CUDA(gpus, 1);
+  const std::vector<torch::Device> devices{gpus[0], gpus[0]};
+  torch::manual_seed(33);
+  GraphedPair<Mlp> pair(devices);
+  auto& [eager_model, graphed_model, eager, graphed] = pair;
+  const auto x = torch::randn({8, 10}).to(devices[0]);
+  {
+    // Nothing is built from inference tensors, which training could not refresh in place.
+    c10::InferenceMode inference;
+    CHECK(torch::allclose(graphed->forward(x), eager->forward(x), 1e-4, 1e-5));
+  }
+  CHECK(graphed->graph_captures() == 0);
+  graphed->forward(x).sum().backward();
+  eager->forward(x).sum().backward();
+  CHECK(graphed->graph_captures() == 1);
+  const auto pa = eager_model->parameters();
+  const auto pb = graphed_model->parameters();
+  for (size_t i = 0; i < pa.size(); ++i) {
+    CHECK(torch::allclose(pb[i].grad(), pa[i].grad(), 1e-4, 1e-5));
+  }
+}
