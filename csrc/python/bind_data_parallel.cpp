@@ -77,13 +77,20 @@ void init_data_parallel(py::module_& m) {
                }),
            py::arg("j"), py::arg("grad_leaves"),
            "Replica j's leaves for the parameters that require grad, in order.")
+      .def("signature",
+           torch::wrap_pybind_function([](const GraphedSteps& self, const std::string& key,
+                                          const std::vector<std::vector<at::Tensor>>& inputs) {
+             return self.signature(key, inputs);
+           }),
+           py::arg("key"), py::arg("inputs"),
+           "The input signature of a forward: key, the tensors' metadata, grad mode, autocast.")
       .def("run",
-           without_gil([](GraphedSteps& self, const std::string& key,
+           without_gil([](GraphedSteps& self, const std::string& signature,
                           const std::vector<std::vector<at::Tensor>>& inputs,
                           const GraphedSteps::Forward& forward) {
-             return self.run(key, inputs, forward);
+             return self.run(signature, inputs, forward);
            }),
-           py::arg("key"), py::arg("inputs"), py::arg("forward"),
+           py::arg("signature"), py::arg("inputs"), py::arg("forward"),
            "Every replica's output tensors, or None when this forward runs eagerly; "
            "forward(j, tensors) runs replica j while a signature is captured.")
       .def_property_readonly("replicas", &GraphedSteps::replicas)

@@ -151,15 +151,17 @@ std::vector<at::Tensor> GraphedReplicas::run(const std::vector<std::vector<at::T
   for (const auto& m : originals) {
     key += m->is_training() ? '1' : '0';
   }
-  auto outputs = steps_.run(key, chunks, [&](size_t j, const std::vector<at::Tensor>& inputs) {
-    // The replica's training flags as the module's (pre-order: each module's own call comes last).
-    const auto copies = replicas_[j]->modules();
-    for (const auto k : c10::irange(std::min(originals.size(), copies.size()))) {
-      copies[k]->train(originals[k]->is_training());
-    }
-    auto args = inputs;
-    return std::vector<at::Tensor>{call(replicas_[j], args)};
-  });
+  auto outputs = steps_.run(
+      steps_.signature(key, chunks), chunks, [&](size_t j, const std::vector<at::Tensor>& inputs) {
+        // The replica's training flags as the module's (pre-order: each module's own call comes
+        // last).
+        const auto copies = replicas_[j]->modules();
+        for (const auto k : c10::irange(std::min(originals.size(), copies.size()))) {
+          copies[k]->train(originals[k]->is_training());
+        }
+        auto args = inputs;
+        return std::vector<at::Tensor>{call(replicas_[j], args)};
+      });
   std::vector<at::Tensor> out;
   if (outputs) {
     for (auto& replica : *outputs) {

@@ -57,11 +57,15 @@ class GraphedSteps {
   /// Replicas laid out by the last rebuild().
   size_t replicas() const;
 
+  /// The input signature of a forward: `key` (what the tensors do not tell apart: training
+  /// flags, the other arguments), the inputs' shapes, strides, dtypes and devices, grad mode and
+  /// autocast state. A front end keys what it keeps per capture by it.
+  std::string signature(const std::string& key,
+                        const std::vector<std::vector<at::Tensor>>& inputs) const;
   /// Every replica's output tensors, or nothing when this forward has to run eagerly (inference
-  /// mode, a pending backward of the same signature, no room for another signature). `key` tells
-  /// apart what the tensors do not (training flags, the other arguments).
+  /// mode, a pending backward of the same signature, no room for another signature).
   std::optional<std::vector<std::vector<at::Tensor>>> run(
-      const std::string& key, const std::vector<std::vector<at::Tensor>>& inputs,
+      const std::string& signature, const std::vector<std::vector<at::Tensor>>& inputs,
       const Forward& forward);
   /// Signatures captured so far (also those dropped by a rebuild).
   int64_t captures_made() const;

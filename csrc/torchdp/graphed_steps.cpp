@@ -589,8 +589,23 @@ size_t GraphedSteps::replicas() const {
   return state_->replicas.size();
 }
 
+std::string GraphedSteps::signature(const std::string& key,
+                                    const std::vector<std::vector<at::Tensor>>& inputs) const {
+  std::ostringstream out;
+  out << inputs.size() << (c10::GradMode::is_enabled() ? "g" : "n")
+      << at::autocast::is_autocast_enabled(c10::kCUDA)
+      << at::autocast::get_autocast_dtype(c10::kCUDA) << "|" << key;
+  for (const auto& args : inputs) {
+    out << "|";
+    for (const auto& t : args) {
+      out << t.sizes() << t.strides() << t.scalar_type() << t.device() << t.requires_grad() << ";";
+    }
+  }
+  return out.str();
+}
+
 std::optional<std::vector<std::vector<at::Tensor>>> GraphedSteps::run(
-    const std::string& key, const std::vector<std::vector<at::Tensor>>& inputs,
+    const std::string& signature, const std::vector<std::vector<at::Tensor>>& inputs,
     const Forward& forward) {
   auto& s = *state_;
   const size_t n = inputs.size();
@@ -602,17 +617,7 @@ std::optional<std::vector<std::vector<at::Tensor>>> GraphedSteps::run(
   TORCH_CHECK(n >= 1 && n <= s.replicas.size(), s.api, ": got ", n, " input lists for ",
               s.replicas.size(), " replicas");
   const bool grad = c10::GradMode::is_enabled();
-  std::ostringstream signature;
-  signature << n << (grad ? "g" : "n") << at::autocast::is_autocast_enabled(c10::kCUDA)
-            << at::autocast::get_autocast_dtype(c10::kCUDA) << "|" << key;
-  for (const auto& args : inputs) {
-    signature << "|";
-    for (const auto& t : args) {
-      signature << t.sizes() << t.strides() << t.scalar_type() << t.device() << t.requires_grad()
-                << ";";
-    }
-  }
-  const auto it = s.captures.find(signature.str());
+  const auto it = s.captures.find(signature);
   std::shared_ptr<Capture> capture;
   if (it == s.captures.end()) {
     if (s.captures.size() >= s.max_signatures) {
@@ -625,7 +630,7 @@ std::optional<std::vector<std::vector<at::Tensor>>> GraphedSteps::run(
       return std::nullopt;
     }
     capture = s.capture(inputs, forward, grad);
-    s.captures[signature.str()] = capture;
+    s.captures[signature] = capture;
   } else {
     capture = it->second;
     if (!capture->pending.expired()) {
@@ -712,8 +717,13 @@ size_t GraphedSteps::replicas() const {
   return 0;
 }
 
+std::string GraphedSteps::signature(const std::string& key,
+                                    const std::vector<std::vector<at::Tensor>>& /*inputs*/) const {
+  return key;
+}
+
 std::optional<std::vector<std::vector<at::Tensor>>> GraphedSteps::run(
-    const std::string& /*key*/, const std::vector<std::vector<at::Tensor>>& /*inputs*/,
+    const std::string& /*signature*/, const std::vector<std::vector<at::Tensor>>& /*inputs*/,
     const Forward& /*forward*/) {
   return std::nullopt;
 }

@@ -147,7 +147,7 @@ class GraphedReplicas:
         self._steps = _C.GraphedSteps(self.devices, max_signatures, _API)
         self._layout: tuple[Any, ...] | None = None
         self._replicas: list[nn.Module] = []
-        self._outputs: dict[str, list[list[Any]]] = {}  # per signature key: leaves, spec
+        self._outputs: dict[str, list[list[Any]]] = {}  # per signature: leaves, spec
 
     @property
     def captures_made(self) -> int:
@@ -211,6 +211,7 @@ class GraphedReplicas:
                 return None  # an unhashable constant: no signature, run eagerly
             signature.append((spec, [(type(c), c) for c in constants]))
         key = "".join("1" if t else "0" for t in training) + repr(signature)
+        key = self._steps.signature(key, tensors)  # also the tensors, grad mode, autocast
 
         def forward(j: int, static: list[torch.Tensor]) -> list[torch.Tensor]:
             for flag, module in zip(training, self._replicas[j].modules(), strict=True):

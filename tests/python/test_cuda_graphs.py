@@ -362,7 +362,6 @@ def test_graphed_replicas_rebind_plain_aliases_of_registered_tensors():
     # differentiates with respect to the replica's own leaves), so aliases must be rebound.
     graphs = sys.modules["torchdp._graphs"]
     net = Aliased()
-    cpu = torch.device("cpu")
     params, buffers = list(net.parameters()), list(net.buffers())
     copies = torchdp.replicate(net, cpu_devices(2), detach=True)
     for j, copy in enumerate(copies):
@@ -501,3 +500,28 @@ def test_other_threads_cuda_calls_do_not_break_a_capture(ids):
     eager(x).sum().backward()
     _assert_same_module_state(net, ref)
     assert _graphed(graphed).captures_made == 1
+
+
+class Sized(nn.Module):
+    """Returns a constant that depends on the input's shape."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return {"out": self.lin(x), "rows": x.shape[0]}
+
+
+@pytest.mark.parametrize("ids", device_lists())
+def test_each_signature_keeps_its_own_output_constants(ids):
+    # The constants of the outputs are kept per captured signature: two batch sizes, captured
+    # one after the other, each replay gives its own.
+    net, ref, graphed, eager = _pair(Sized, ids, gather_output=False)
+    for rows in (8, 12, 8, 12):
+        x = torch.randn(rows, 4, device=f"cuda:{ids[0]}")
+        got, want = graphed(x), eager(x)
+        assert [o["rows"] for o in got] == [o["rows"] for o in want] == [rows // 2] * 2
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g["out"], w["out"])
+    assert _graphed(graphed).captures_made == 2
