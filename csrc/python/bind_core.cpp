@@ -1,11 +1,6 @@
-// The core section of torchdp._C (see API.md): runtime queries, device normalisation, the comm and
-// autograd transport functions and parallel_apply. Bindings only: every algorithm lives in the C++
-// core (csrc/torchdp), so that C++ users get the same behaviour.
-//
-// Errors and warnings: every binding runs inside torch's HANDLE_TH_ERRORS (through
-// without_gil or explicitly), so c10::Error becomes RuntimeError,
-// c10::ValueError ValueError, c10::IndexError IndexError, ... exactly as for torch's own functions,
-// and TORCH_WARN becomes a Python UserWarning. The GIL is released while C++ works.
+// The core section of torchdp._C (see python/torchdp/_C.pyi); the algorithms live in csrc/torchdp.
+// Every binding runs inside HANDLE_TH_ERRORS (c10 errors become the matching Python exceptions,
+// TORCH_WARN a UserWarning) and, unless noted, releases the GIL while C++ works.
 
 #include "bindings.h"
 
@@ -37,15 +32,10 @@ size_t checked_buffer_size(int64_t buffer_size, const char* api) {
 }
 
 // Note [Python callables on parallel_run workers]
-// parallel_apply runs fns[i]() on torchdp::parallel_run's worker i (fn 0 on the calling thread).
-// The calling thread releases the GIL while it waits; each task takes the GIL to call its function.
-// Python objects are only created, assigned and destroyed with the GIL held: the result slots and
-// the error slots are allocated before the GIL is released, are written by the tasks under the
-// GIL, and are read and destroyed after the GIL is back. A Python exception raised by fns[i] is
-// kept as (type, value, traceback) and never leaves the task as a C++ exception, so
-// parallel_run does not wrap it ("Caught ... in replica i"): the lowest-index Python exception is
-// re-raised as is, with its original type and traceback. Python callers that want PyTorch's
-// "Caught X in replica i on device d" wording wrap their fns (torch._utils.ExceptionWrapper).
+// The caller waits without the GIL; each task takes it to call its function. Python objects (the
+// result and error slots) are created and destroyed only with the GIL held. A Python exception is
+// kept as (type, value, traceback), never thrown as C++, so parallel_run does not wrap it: the
+// lowest-index one is re-raised as is (callers wrap their fns for "Caught X in replica i").
 struct PythonError {
   py::object type;
   py::object value;
@@ -53,16 +43,10 @@ struct PythonError {
 };
 
 // Note [Serial replicas]
-// Python replicas contend for the GIL: every ATen call from Python releases it and the other
-// worker takes it, so two threads running Python forwards hand the GIL back and forth once per
-// operation, each handoff costing a thread wake-up. When the forward is mostly Python (many small
-// modules) that ping-pong can double its cost. serial=True runs the functions one after the
-// other on the calling thread instead, each with its device current (kernels are queued
-// asynchronously, so device j starts as soon as its forward is issued); same results, same error
-// rule (every function runs; the lowest-index exception is re-raised), except that an exception
-// that is not an Exception (KeyboardInterrupt on Ctrl-C, SystemExit) is raised at once.
-// fn(), called without pybind11's argument tuple, so that no C++ frame lies between Python and
-// the catch: a thread ended while fn runs is parked (Note [Taking the GIL at interpreter exit]).
+// Threads running Python forwards hand the GIL back and forth at every ATen call. serial=True runs
+// the functions in order on the calling thread, each with its device current; same results and
+// error rule, except that a non-Exception (KeyboardInterrupt, SystemExit) is raised at once.
+// No C++ frame between Python and the catch (Note [Taking the GIL at interpreter exit]).
 TORCHDP_CATCHES_FORCED_UNWIND py::object call_no_args(const py::function& fn) {
   PyObject* result = nullptr;
 #if defined(__GLIBCXX__)
@@ -114,16 +98,10 @@ py::list run_serially(const std::vector<py::function>& fns,
 }
 
 // Note [Ctrl-C while replicas run]
-// The calling thread waits for the workers without the GIL, so Python cannot deliver a signal
-// to it there. The wait is interruptible instead (Note [Interruptible waits]): every 50 ms the
-// caller takes the GIL and runs the pending signal handlers (PyErr_CheckSignals; it does nothing
-// off the main thread). When a handler raises (KeyboardInterrupt on Ctrl-C), parallel_apply
-// raises that exception at once, as torch.nn.parallel's thread joins do, and the replicas still
-// running finish on their own; their results and errors are dropped. A signal that arrived while
-// the caller ran function 0 surfaces as that function's exception: one that is not an Exception
-// (KeyboardInterrupt, SystemExit) stops the wait the same way. Tasks may therefore outlive
-// the call: the functions, results and error slots live in one object the tasks share, destroyed
-// with the GIL held (make_python_run).
+// A caller waiting without the GIL gets no signals, so the wait polls the signal handlers
+// (Note [Interruptible waits]). When one raises, or function 0 raised a non-Exception,
+// parallel_apply raises it at once, as torch.nn.parallel does; running replicas finish alone.
+// Tasks may thus outlive the call: their shared state is destroyed with the GIL (make_python_run).
 struct PythonRun {
   explicit PythonRun(const std::vector<py::function>& fns)
       : fns(fns), results(fns.size()), python_errors(fns.size()), cpp_failed(fns.size(), 0) {}
@@ -139,8 +117,7 @@ int delete_python_run(void* run) {
   return 0;
 }
 
-// Destroyed where the GIL is held; a task that outlived its call (and holds the last reference)
-// hands the object to the main thread as a pending call instead of waiting for the GIL.
+// Destroyed with the GIL held; a task that outlived its call hands it over as a pending call.
 std::shared_ptr<PythonRun> make_python_run(const std::vector<py::function>& fns) {
   return std::shared_ptr<PythonRun>(new PythonRun(fns), [](PythonRun* run) {
     if (interpreter_finalizing()) {
@@ -149,8 +126,7 @@ std::shared_ptr<PythonRun> make_python_run(const std::vector<py::function>& fns)
     if (PyGILState_Check()) {
       delete run;
     } else if (Py_AddPendingCall(&delete_python_run, run) != 0) {
-      // The queue is full (or the interpreter is gone): leak the object rather than touch
-      // Python objects without the GIL.
+      // Queue full or interpreter gone: leak rather than touch Python objects without the GIL.
     }
   });
 }
@@ -172,8 +148,7 @@ TORCHDP_CATCHES_FORCED_UNWIND py::list parallel_apply(const std::vector<py::func
   }
   std::vector<c10::Device> devices;
   auto state = make_python_run(fns);
-  // The exception a signal handler raised while the caller waited (Note [Ctrl-C while replicas
-  // run]).
+  // Raised by a signal handler while the caller waited (Note [Ctrl-C while replicas run]).
   PythonError interrupt;
   {
     GilRelease no_gil; // Note [Python callables on parallel_run workers]
@@ -231,7 +206,6 @@ TORCHDP_CATCHES_FORCED_UNWIND py::list parallel_apply(const std::vector<py::func
     }
     no_gil.reacquire();
   }
-  // The GIL is held again from here on.
   if (interrupt.type) {
     PyErr_Restore(interrupt.type.release().ptr(), interrupt.value.release().ptr(),
                   interrupt.trace.release().ptr());

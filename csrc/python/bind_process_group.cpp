@@ -1,8 +1,6 @@
-// torchdp._C.ProcessGroupSync: the gradient-averaging engine of csrc/torchdp/process_group.h
-// (Note [Reducing across processes]) for torchdp/_process_group.py. A torch.distributed
-// ProcessGroup arrives as c10::intrusive_ptr<c10d::ProcessGroup> through torch's own pybind11
-// registration of the class (torch._C._distributed_c10d), which this module shares because it is
-// built with torch's pybind11 headers and ABI tags. The GIL is released while collectives run.
+// torchdp._C.ProcessGroupSync (Note [Reducing across processes]) for torchdp/_process_group.py.
+// A ProcessGroup arrives through torch's own pybind11 registration of c10d::ProcessGroup, shared
+// because this module uses torch's pybind11 headers and ABI. Collectives run without the GIL.
 
 #include "bindings.h"
 

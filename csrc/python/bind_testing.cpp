@@ -1,6 +1,5 @@
-// torchdp._C._testing: runs the C++ DataParallel from Python tests for what only Python sets up
-// here, a process group over a real backend (gloo, NCCL): torch's wheels ship no gloo headers, so
-// the C++ tests use an in-process group instead (tests/cpp/test_process_group.cpp).
+// torchdp._C._testing: the C++ DataParallel over a real process group (gloo, NCCL), which only
+// Python can set up here (torch's wheels ship no gloo headers for the C++ tests).
 
 #include "bindings.h"
 
@@ -20,8 +19,7 @@ namespace torchdp::python {
 
 namespace {
 
-// tests/python/test_process_group.py's _mlp: Linear(8, 32), Tanh, Linear(32, 32), Tanh,
-// Linear(32, 4).
+// tests/python/test_process_group.py's _mlp.
 struct TestMlpImpl : torch::nn::Cloneable<TestMlpImpl> {
   TestMlpImpl() {
     reset();

@@ -1,7 +1,5 @@
-// The torchdp._C extension module: the module definition and the GIL helpers of bindings.h. The
-// bindings live in bind_core.cpp (core), replicate_*.cpp (nn.Module replication),
-// bind_data_parallel.cpp (DataParallel's checks) and bind_process_group.cpp (gradient averaging
-// across processes). See API.md for the interface.
+// The torchdp._C module definition and the GIL helpers of bindings.h; the bindings live in
+// bind_*.cpp and replicate_*.cpp. See python/torchdp/_C.pyi for the interface.
 
 #include "bindings.h"
 
@@ -50,9 +48,8 @@ TORCHDP_CATCHES_FORCED_UNWIND GilAcquire::GilAcquire() {
 #endif
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  // torch must be imported before anything touches torch's Python types (THPVariableClass is set
-  // when torch._C initialises). torchdp/__init__.py imports torch first; this covers a direct
-  // `import torchdp._C`.
+  // torch's Python types exist only once torch._C initialises (THPVariableClass); torchdp imports
+  // torch first, this covers a direct `import torchdp._C`.
   pybind11::module_::import("torch");
 
   m.doc() = "torchdp._C: C++ core of torchdp (DataParallel for LibTorch), bound with pybind11.";

@@ -1,5 +1,4 @@
-// New replicas of a Python network: the transfer of its tensors and the building of the replica
-// modules (csrc/python/replication.h).
+// New replicas of a Python network: the transfer of its tensors and the replica modules.
 #include "replication.h"
 
 #include <torchdp/autograd.h>
@@ -16,32 +15,17 @@ namespace torchdp::python::replication {
 namespace {
 
 // Note [Two ways to build a replica]
-// PyTorch builds every replica with module._replicate_for_data_parallel() and wires it with
-// setattr(), both Python code that costs microseconds per call: most of torch's replicate time.
-// For a module whose class keeps nn.Module's behaviour (no __new__, __setattr__ or
-// _replicate_for_data_parallel of its own, and plain dicts for _parameters / _buffers / _modules)
-// those calls have a known outcome, which torchdp produces directly with dictionary operations:
-//   replica = object.__new__(type(m)); replica.__dict__ = m.__dict__.copy() with a fresh
-//   _parameters = {}, copies of _buffers and _modules, _is_replica = True and
-//   _former_parameters = OrderedDict(); then children -> _modules[key], parameter copies ->
-//   __dict__[key] (an original Parameter, under detach on devices[0], -> _parameters[key], as
-//   register_parameter does) and _former_parameters[key], buffer copies -> _buffers[key].
-// The result is the replica PyTorch's code builds, attribute for attribute. Any other module (a
-// class with its own __setattr__, RNNs, lazy modules, ScriptModules, ...) is built the PyTorch way,
-// and so is every module while global module/parameter/buffer registration hooks are installed
-// (setattr would call them).
+// PyTorch builds each replica with _replicate_for_data_parallel() and setattr(), slow Python calls.
+// For a class keeping nn.Module's __new__, __setattr__ and _replicate_for_data_parallel, with exact
+// dicts, their outcome is known: torchdp makes the same replica with dictionary operations. Other
+// modules, and all while global registration hooks exist (setattr calls them), go PyTorch's way.
 
 // Note [Replica assignment and custom __setattr__]
-// PyTorch wires each replica with setattr(replica, key, copy), children first, then parameters,
-// then buffers, so that cooperative __setattr__ overrides (RNNBase keeps _flat_weights in sync) see
-// every assignment. A module whose __setattr__ swallows or redirects the assignment (cplxmodule's
-// masked layers copy into the existing `mask`) leaves the replica with the original's tensor, on
-// the original's device, and may even write the copy into the original. torchdp therefore
-//   * for classes that override __setattr__, first puts a fresh empty tensor of the copy's device
-//     in the replica's _buffers, so whatever the override reads or writes is the replica's own
-//     tensor (the original is never written), then calls setattr as PyTorch does;
-//   * checks that the replica now holds exactly the broadcast copy; if not, puts the copy in place
-//     directly (the device-check fallback) and warns once per class and attribute.
+// PyTorch wires replicas with setattr (children, parameters, buffers), so cooperative overrides
+// (RNNBase's _flat_weights) see every assignment. One that swallows or redirects it would leave the
+// original's tensor in the replica, or write the copy into the original. So an overriding class's
+// replica first gets a fresh empty tensor in _buffers (the original is never written), and a
+// replica not holding the broadcast copy afterwards gets it directly, with a one-time warning.
 
 void warn_once(const std::string& cls, const std::string& attr, const char* kind) {
   static std::mutex mutex;
@@ -64,8 +48,7 @@ void warn_once(const std::string& cls, const std::string& attr, const char* kind
   }
 }
 
-// object.__new__(type(m)) with m's __dict__ copied as _replicate_for_data_parallel does, plus
-// _former_parameters (Note [Two ways to build a replica]).
+// object.__new__(type(m)) with m's dicts copied (Note [Two ways to build a replica]).
 py::object new_plain_replica(const ModuleEntry& e, ReplicaDicts& out) {
   PyTypeObject* type = Py_TYPE(e.module.ptr());
   py::object replica = steal_or_throw(type->tp_new(type, refs().empty_tuple.ptr(), nullptr));
@@ -80,9 +63,7 @@ py::object new_plain_replica(const ModuleEntry& e, ReplicaDicts& out) {
   return replica;
 }
 
-// True when `stored` is `copy` or another tensor over exactly the same memory, shape, dtype and
-// gradient requirement (a __setattr__ that registers `value.detach().to(device)` keeps the copy's
-// values under a new object: nothing to repair).
+// True when `stored` is `copy` or an identical view of its memory (nothing to repair).
 bool same_view(PyObject* stored, PyObject* copy) {
   if (stored == copy) {
     return true;
@@ -99,9 +80,8 @@ bool same_view(PyObject* stored, PyObject* copy) {
          a.storage_offset() == b.storage_offset();
 }
 
-// Re-raises `error`, raised while a replica of `module` was wired, naming the module's path in
-// `root` and its class (a builtin exception keeps its type; others become RuntimeError, whose
-// constructor surely takes one message), chained to the original.
+// Re-raises `error` naming the module, chained; a non-builtin type becomes RuntimeError, whose
+// constructor surely takes one message.
 [[noreturn]] void raise_with_module_path(py::error_already_set& error, py::handle root,
                                          py::handle module) {
   const auto path = path_in(root, module);
@@ -117,8 +97,7 @@ bool same_view(PyObject* stored, PyObject* copy) {
   throw py::error_already_set();
 }
 
-// Children, parameters and buffers of the other replicas, through setattr as PyTorch does, key by
-// key and device by device (see Note [Replica assignment and custom __setattr__]).
+// Wiring through setattr, as PyTorch does (Note [Replica assignment and custom __setattr__]).
 void wire_with_setattr(const ModuleEntry& e, size_t i, const std::vector<py::list>& copies,
                        const Network& net, const TensorCopies& tensors) {
   const auto& r = refs();
@@ -184,17 +163,11 @@ void wire_with_setattr(const ModuleEntry& e, size_t i, const std::vector<py::lis
 }
 
 // Note [Replicating compiled modules]
-// torch.compile(module) returns an OptimizedModule whose `forward` is a compiled call of the
-// *original* wrapped module, and module.compile() stores a compiled call of the original's
-// _call_impl in `_compiled_call_impl`. A replica that copied those attributes would run the
-// original module (its parameters, its device) instead of its own. PyTorch's replicate is worse
-// off: OptimizedModule.__setattr__ forwards `_parameters`, `_buffers` and `_modules` to the
-// wrapped module, so _replicate_for_data_parallel() overwrites the original's dictionaries and
-// the model ends up containing itself. torchdp builds OptimizedModule replicas with dictionary
-// operations (no setattr), then re-derives each replica's compiled call from the replica itself:
-// OptimizedModule._initialize() for the wrapper, torchdp._compiled.rebind_compiled_call for
-// module.compile() (the same compiler context applied to the replica's _call_impl; replicas of
-// one class share dynamo's cache, so nothing is recompiled per step).
+// An OptimizedModule's forward, and the _compiled_call_impl of module.compile(), are compiled calls
+// of the *original*: a replica copying them would run the original. (In PyTorch's replicate,
+// OptimizedModule.__setattr__ even forwards _parameters etc. into the wrapped module.) torchdp
+// builds them with dictionary operations and re-derives each replica's call: _initialize(), or
+// torchdp._compiled.rebind_compiled_call; replicas share dynamo's cache, so nothing recompiles.
 void recompile_replicas(const Network& net, const std::vector<py::list>& copies) {
   const auto& r = refs();
   py::object rebind;
@@ -229,8 +202,6 @@ void recompile_replicas(const Network& net, const std::vector<py::list>& copies)
 
 } // namespace
 
-// The dictionaries of a plain replica as _replicate_for_data_parallel leaves them, plus
-// _former_parameters (Note [Two ways to build a replica]), in the (empty) dictionaries `d`.
 void fill_plain_dicts(const ModuleEntry& e, const ReplicaDicts& d) {
   const auto& r = refs();
   if (PyDict_Update(d.dict.ptr(), e.dict.ptr()) < 0 ||
@@ -245,7 +216,6 @@ void fill_plain_dicts(const ModuleEntry& e, const ReplicaDicts& d) {
   dict_set(d.dict.ptr(), r.key_former, d.former.ptr());
 }
 
-// Children, parameters and buffers of a plain replica, with dictionary operations.
 void wire_plain(const ModuleEntry& e, size_t j, const std::vector<py::list>& copies,
                 const std::vector<std::vector<ReplicaDicts>>& dicts, size_t i, const Network& net,
                 const TensorCopies& tensors, bool may_hold_originals) {
@@ -297,8 +267,7 @@ void wire_plain(const ModuleEntry& e, size_t j, const std::vector<py::list>& cop
   }
 }
 
-// The broadcast of every tensor (differentiable unless detached) and the Python objects of the
-// copies, per device (the dev0 outputs of a detached broadcast are the originals).
+// The dev0 outputs of a detached broadcast are the originals.
 void transfer(Source& s, std::optional<int64_t> grad_bucket_bytes) {
   TORCH_CHECK_VALUE(!grad_bucket_bytes || *grad_bucket_bytes >= 0, kApi,
                     ": grad_bucket_bytes must be >= 0 (0: one bucket), got ",
@@ -340,8 +309,6 @@ void transfer(Source& s, std::optional<int64_t> grad_bucket_bytes) {
   }
 }
 
-// New replica objects, one per module and device (Note [Two ways to build a replica]), wired to
-// the copies; `dicts[j][i]` gets the dictionaries of the replicas built with dictionary operations.
 std::vector<py::list> build(const Source& s, std::vector<std::vector<ReplicaDicts>>& dicts) {
   const size_t n = s.devices.size();
   const size_t count = s.net.modules.size();

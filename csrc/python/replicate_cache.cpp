@@ -13,27 +13,15 @@ namespace torchdp::python::replication {
 namespace {
 
 // Note [Kept replicas]
-// Why: new replicas at every forward make a module object and five dictionaries per module and
-// device, which the garbage collector counts and scans, and which die again at the end of the
-// forward. A ReplicaCache lends the replicas it built or refilled (replicate) and takes them back
-// at the end of the forward (park). Invariants:
-//   * park keeps them only when nothing else refers to any replica module (every reference count
-//     is the one it had when lent) and each still has the class and __dict__ it was given;
-//     otherwise they are dropped and left to their holders (a checkpointed forward, a hook, a
-//     traceback). Kept replicas are unreachable from Python: their dictionaries are emptied at once;
-//   * they are reused only when the walk finds modules of the same classes in the same order, onto
-//     the same devices, all built with dictionary operations, none compiled, none with __slots__.
-//     A refill fills each replica's dictionaries exactly as a new replica's are filled, from this
-//     call's walk, so what changed in the network, and what the last forward wrote into a replica,
-//     shows as it would in new replicas;
-//   * the cache holds no reference to the network; replicas lent and never parked are dropped by
-//     the next call before its transfer; the flat buffers of the copies are not kept (the caching
-//     allocator hands the same blocks back).
+// New replicas make five dicts per module, device and forward for the GC to scan. park keeps the
+// lent replicas only when nothing else refers to any (refcounts as when lent) and class and
+// __dict__ are unchanged, then empties their dicts. They are reused for the same classes in the
+// same order on the same devices (plain_only, no __slots__), refilled from this call's walk exactly
+// as new ones. The cache holds no reference to the network, nor the copies' flat buffers.
 class ReplicaCache {
  public:
-  // (copies, plain_only, reused, buffers): copies as torchdp._C.replicate's; buffers, a copy of the
-  // network's buffers taken before anything of this call could change them (Note [Buffers of
-  // failed forwards]), refreshed in place from call to call unless a caller still holds it.
+  // (copies, plain_only, reused, buffers); buffers: the network's buffers copied before this call
+  // could change them (Note [Buffers of failed forwards]), refreshed in place unless still held.
   py::tuple replicate(py::handle network, const std::vector<c10::Device>& devices_in, bool detach,
                       std::optional<int64_t> grad_bucket_bytes) {
     TORCH_CHECK_VALUE(!devices_in.empty(), kApi, ": ReplicaCache.replicate needs a device");
@@ -51,8 +39,7 @@ class ReplicaCache {
       buffers_->take(originals);
     }
     const auto buffers = buffers_;
-    // Taken out of the cache for this call: a concurrent call (the transfer releases the GIL)
-    // finds it empty and builds its own.
+    // Out of the cache: a concurrent call (the transfer releases the GIL) builds its own.
     std::unique_ptr<State> state = std::move(state_);
     if (state && !(state->parked && reusable(*state, s))) {
       state.reset(); // before the transfer: its copies go first
@@ -87,8 +74,7 @@ class ReplicaCache {
       }
     }
     if (state) {
-      // The reference counts with only the cache, the replicas and `copies` (one each) holding
-      // them.
+      // The reference counts with only the cache, the replicas and `copies` holding them.
       state->expected.assign(copies.size(), {});
       for (const auto j : c10::irange(copies.size())) {
         for (const auto& replica : state->replicas[j]) {
@@ -111,8 +97,7 @@ class ReplicaCache {
       return state_ != nullptr;
     }
     const detail::ProfilerRange range("torchdp.replicate.park");
-    // Out of the cache while it is checked and emptied: freeing the copies may run Python code
-    // (finalizers, weakref callbacks), and with it another thread's call.
+    // Out of the cache while checked: freeing copies may run Python code, and another call.
     std::unique_ptr<State> state = std::move(state_);
     for (const auto j : c10::irange(state->replicas.size())) {
       for (const auto i : c10::irange(state->replicas[j].size())) {
@@ -169,10 +154,7 @@ class ReplicaCache {
   // Note [Buffers of failed forwards]: the copy of the network's buffers, kept for the next call.
   std::shared_ptr<torchdp::BufferSnapshot> buffers_;
 
-  // A refill takes everything from the network's walk of this call; the kept objects only need
-  // the classes of the modules in their positions. So other module objects of the same classes
-  // (a submodule replaced by a new one of its class) reuse them too, and the cache holds no
-  // reference to the network.
+  // Only the classes matter: a refill takes everything else from this call's walk.
   static bool reusable(const State& state, const Source& s) {
     if (!s.plain_only || !s.keepable || state.devices != s.devices ||
         state.types.size() != s.net.modules.size()) {

@@ -1,5 +1,4 @@
-// The walk of a network to replicate (csrc/python/replication.h): its modules, their classes and
-// their tensors.
+// The walk of a network to replicate: its modules, their classes and their tensors.
 #include "replication.h"
 
 #include <torchdp/devices.h>
@@ -115,7 +114,6 @@ void dict_set(PyObject* dict, PyObject* key, PyObject* value) {
   }
 }
 
-// The instance __dict__ of a module (never through a __getattr__ override).
 py::object instance_dict(py::handle obj) {
   return steal_or_throw(PyObject_GenericGetDict(obj.ptr(), nullptr));
 }
@@ -155,8 +153,7 @@ const TypeInfo& TypeTable::of(py::handle obj) {
   return table_.emplace(type, info).first->second;
 }
 
-// torch._dynamo.eval_frame.OptimizedModule when torch.compile was ever used (else empty: no
-// module can be one), looked up once per call.
+// torch._dynamo.eval_frame.OptimizedModule, or empty when torch.compile was never used.
 py::object TypeTable::optimized_module_type() {
   if (!optimized_looked_up_) {
     optimized_looked_up_ = true;
@@ -172,8 +169,7 @@ py::object TypeTable::optimized_module_type() {
   return optimized_type_;
 }
 
-// network.modules(): pre-order, each module once, None children skipped. Walked in C++ over the
-// _modules dicts when every class keeps nn.Module's named_modules; otherwise asked from Python.
+// In C++ over the _modules dicts when every class keeps nn.Module's named_modules, else Python's.
 Network walk_network(py::handle network, TypeTable& types) {
   Network net;
   bool exact = true;
@@ -217,9 +213,8 @@ Network walk_network(py::handle network, TypeTable& types) {
   return net;
 }
 
-// list(network.parameters()) and list(network.buffers()): from the modules' dicts when the walk
-// was exact (whatever the root's accessors: an override that lists fewer tensors, such as only the
-// trainable parameters, would leave registered ones without copies), otherwise from Python.
+// From the dicts whatever the root's accessors: an override listing fewer tensors (only the
+// trainable ones) would leave registered tensors without copies.
 std::pair<py::list, py::list> parameters_and_buffers(py::handle network, const Network& net) {
   if (!net.dicts_ok) {
     return {py::list(network.attr("parameters")()), py::list(network.attr("buffers")())};
@@ -272,8 +267,7 @@ void prepare(Source& s, py::handle network, const std::vector<c10::Device>& devi
   }
   auto [params, buffers] = parameters_and_buffers(network, s.net);
 
-  // Parameters, and buffers split as PyTorch splits them: buffers that require grad are broadcast
-  // differentiably (unless detached), the others never.
+  // Buffers split as PyTorch does: those that require grad are broadcast differentiably.
   s.param_tensors.reserve(params.size());
   for (const auto i : c10::irange(params.size())) {
     s.tensors.param_index.emplace(params[i].ptr(), i);

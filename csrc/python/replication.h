@@ -1,9 +1,7 @@
 #pragma once
 
-// Replication of *Python* nn.Modules (csrc/python/API.md, DESIGN.md "Replicating Python modules"),
-// shared by its three parts: the walk of the network (replicate_walk.cpp), the transfer and the
-// building of new replicas (replicate_build.cpp), and the replicas kept between forwards
-// (replicate_cache.cpp). replicate_py.cpp binds them.
+// Replication of *Python* nn.Modules (python/torchdp/_C.pyi, DESIGN.md "Replicating Python
+// modules"): replicate_walk.cpp, replicate_build.cpp, replicate_cache.cpp; replicate_py.cpp binds.
 #include "bindings.h"
 
 #include <ATen/core/Tensor.h>
@@ -25,8 +23,7 @@ inline constexpr const char* kApi = "torchdp.replicate";
 
 PyObject* interned(const char* text);
 
-// Python objects used on every call, looked up once. Never destroyed: they live as long as the
-// interpreter (destroying them at exit, after Python is gone, would crash).
+// Python objects used on every call, looked up once and never destroyed (at exit that would crash).
 struct PythonRefs {
   PyObject* key_parameters = interned("_parameters");
   PyObject* key_buffers = interned("_buffers");
@@ -62,8 +59,7 @@ struct TypeInfo {
   bool optimized = false; // torch.compile's module wrapper (Note [Replicating compiled modules])
   bool walkable = false;  // named_modules() / modules() are nn.Module's
   bool overrides_setattr = false;
-  // Instances have slots outside their __dict__ (a class with __slots__): what a forward stores
-  // there would survive in a kept replica (Note [Kept replicas]).
+  // __slots__: what a forward stores there would survive in a kept replica (Note [Kept replicas]).
   bool slots = false;
 };
 
@@ -80,8 +76,7 @@ class TypeTable {
   py::object optimized_type_;
 };
 
-// One module of the network, with its own dictionaries (exact dicts, or empty objects when the
-// module keeps them some other way).
+// One module of the network; each dict is an exact dict, or an empty object when it is not one.
 struct ModuleEntry {
   py::object module;
   py::object dict;
@@ -101,8 +96,7 @@ struct Network {
 // network.modules(): pre-order, each module once, None children skipped.
 Network walk_network(py::handle network, TypeTable& types);
 
-// list(network.parameters()) and list(network.buffers()), from the modules' dicts when the walk
-// was exact.
+// list(network.parameters()) and list(network.buffers()), from the dicts when the walk was exact.
 std::pair<py::list, py::list> parameters_and_buffers(py::handle network, const Network& net);
 
 // The qualified name of `module` inside `root` ("" for the root itself).
@@ -139,8 +133,7 @@ struct TensorCopies {
   }
 
  private:
-  // PyTorch's replicate takes the tensors to copy from network.parameters() and buffers(); one
-  // that a module registers but those do not list has no copy (PyTorch fails with a KeyError).
+  // A tensor that parameters() / buffers() do not list has no copy (PyTorch raises KeyError).
   [[noreturn]] static void unlisted(const char* kind, const char* method) {
     TORCH_CHECK(false, kApi, ": a module registers a ", kind, " that the root module's ", method,
                 " does not list (does the root override ", method,
@@ -151,11 +144,9 @@ struct TensorCopies {
 };
 
 // Note [No garbage collection while replicas are built]
-// Building the replicas creates a few container objects per module and device (thousands for a
-// model of a few hundred modules), none of which can be garbage yet, and CPython would run several
-// collections over them, now and then a full one over every object of the process. So automatic
-// collection is paused while the replicas are built, and resumed only if it was on. The new objects
-// still count towards the next collection, which then runs once, later.
+// Building replicas creates container objects per module and device, none of them garbage yet, over
+// which CPython would run several collections (now and then a full one). Automatic collection is
+// paused meanwhile and resumed only if it was on; the new objects count towards the next one.
 class PauseGarbageCollection {
  public:
   PauseGarbageCollection() : was_enabled_(PyGC_Disable() == 1) {}
@@ -171,9 +162,7 @@ class PauseGarbageCollection {
   bool was_enabled_;
 };
 
-// Everything one replicate call learns from the network before its transfer: the modules, their
-// tensors split as PyTorch splits them, and what the replicas may be built with. Filled in place
-// (the entries point into `types`), never moved.
+// What one replicate call learns before its transfer; never moved (entries point into `types`).
 struct Source {
   TypeTable types;
   Network net;
@@ -181,12 +170,9 @@ struct Source {
   std::vector<c10::Device> devices;
   std::vector<at::Tensor> param_tensors, rg_buffers, plain_buffers;
   bool detach = false;
-  // No global module/parameter/buffer registration hooks: plain modules take dictionary
-  // operations (Note [Two ways to build a replica]).
+  // No global registration hooks (Note [Two ways to build a replica]).
   bool fast = true;
-  // Every module takes dictionary operations and none carries a compiled call: the replicas are
-  // exactly what the dictionary operations make, so their devices need no check without hooks or
-  // callbacks, and they may be kept between calls (Note [Kept replicas]).
+  // All dictionary operations, none compiled: no device check needed without hooks or callbacks.
   bool plain_only = true;
   // plain_only, and no class with __slots__: the replicas may be kept (Note [Kept replicas]).
   bool keepable = true;
@@ -203,8 +189,7 @@ void prepare(Source& s, py::handle network, const std::vector<c10::Device>& devi
 // The broadcast of every tensor (differentiable unless detached) into s.tensors.
 void transfer(Source& s, std::optional<int64_t> grad_bucket_bytes);
 
-// New replica objects, one list per device; `dicts[j][i]` gets the dictionaries of the replicas
-// built with dictionary operations.
+// New replicas, one list per device; `dicts[j][i]` gets those built with dictionary operations.
 std::vector<py::list> build(const Source& s, std::vector<std::vector<ReplicaDicts>>& dicts);
 
 // The dictionaries of a plain replica as _replicate_for_data_parallel leaves them, in `d`.

@@ -7,33 +7,28 @@
 #include <optional>
 #include <vector>
 
-/// Tensor transport between devices, without autograd (see autograd.h for the differentiable
-/// versions). Every function works on any device list torchdp supports (cuda, cpu, meta); on CUDA
-/// devices the NCCL transport is used when torchdp was compiled with it (see transport/nccl_comm.h),
-/// otherwise peer copies on each device's current stream.
+/// Tensor transport between cuda, cpu and meta devices, without autograd (see autograd.h): NCCL
+/// where compiled in (transport/nccl_comm.h), else copies on each device's current stream.
 namespace torchdp::comm {
 
 /// Bucket size of the coalesced operations, as in torch.cuda.comm (10 MiB).
 constexpr size_t kDefaultBufferSize = 10 * 1024 * 1024;
 
-/// Copies `tensors` (all on devices[0]) to every device of `devices`. The result has one list per
-/// device; result[0] holds the input tensors themselves (as in PyTorch), every other copy has its
-/// own storage and its own version counter. Dense tensors travel in flat buckets of at most
-/// `buffer_size` bytes per dtype; sparse tensors travel one by one.
+/// Copies `tensors` (all on devices[0]) to every device. result[0] holds the inputs themselves (as
+/// in PyTorch); other copies have their own storage and version counter. Dense tensors travel in
+/// buckets of at most `buffer_size` bytes per dtype, sparse ones one by one.
 std::vector<std::vector<at::Tensor>> broadcast_coalesced(at::TensorList tensors,
                                                          const std::vector<c10::Device>& devices,
                                                          size_t buffer_size = kDefaultBufferSize);
 
-/// Sums `per_device[j][k]` over j into one tensor per k on `destination`. Every per-device list
-/// must have the same length, the k-th tensors the same size and dtype, and each list must live on
-/// one device. The results have their own storage (never an input's).
+/// Sums `per_device[j][k]` over j into one tensor per k on `destination`. The lists must match in
+/// length, sizes and dtypes, each on one device. The results never share an input's storage.
 std::vector<at::Tensor> reduce_add_coalesced(const std::vector<std::vector<at::Tensor>>& per_device,
                                              c10::Device destination,
                                              size_t buffer_size = kDefaultBufferSize);
 
-/// Splits `tensor` along `dim` and puts chunk i on devices[i]. Without `chunk_sizes` the split is
-/// `tensor.chunk(devices.size(), dim)`, which can give fewer chunks than devices (a batch of 5 on 4
-/// devices gives 3 chunks). A chunk already on its target device is a view of the input.
+/// Splits `tensor` along `dim`, chunk i on devices[i]; without `chunk_sizes` as tensor.chunk(),
+/// which can give fewer chunks than devices. A chunk already on its device is a view of the input.
 std::vector<at::Tensor> scatter(
     const at::Tensor& tensor, const std::vector<c10::Device>& devices,
     const std::optional<std::vector<int64_t>>& chunk_sizes = std::nullopt, int64_t dim = 0);

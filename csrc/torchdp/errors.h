@@ -8,10 +8,8 @@
 
 namespace torchdp::detail {
 
-/// Rethrows the exception being handled (call it inside a catch block) as a c10::Error of the same
-/// class where it has one (IndexError, ValueError, TypeError, NotImplementedError, LinAlgError,
-/// OutOfMemoryError; c10::Error otherwise), its message after `prefix`. Exceptions that are not
-/// std::exceptions become a c10::Error that says so.
+/// Rethrows the exception being handled (call it inside a catch block) with `prefix` before its
+/// message, as a c10::Error of the same class where it has one, else a plain c10::Error.
 [[noreturn]] inline void rethrow_with_prefix(const std::string& prefix) {
   const c10::SourceLocation here{__func__, __FILE__, static_cast<uint32_t>(__LINE__)};
   try {

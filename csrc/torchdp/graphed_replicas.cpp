@@ -1,5 +1,4 @@
-// GraphedReplicas: the C++ front end of GraphedSteps (Note [Graphed replicas] in
-// graphed_replicas.h), over replicas of a torch::nn::Module.
+// GraphedReplicas: the C++ front end of GraphedSteps (Note [Graphed replicas]).
 
 #include <torchdp/graphed_replicas.h>
 #include <torchdp/replicate.h>
@@ -28,8 +27,7 @@ std::vector<at::Tensor> values(const torch::OrderedDict<std::string, at::Tensor>
   return out;
 }
 
-// The distinct tensors of `all` (a tensor registered at two positions counts once), and for each
-// position the index of its tensor among them.
+// The distinct tensors of `all`, and for each position the index of its tensor among them.
 std::vector<at::Tensor> distinct(const std::vector<at::Tensor>& all, std::vector<size_t>& index) {
   std::vector<at::Tensor> out;
   std::map<const void*, size_t> seen;
@@ -45,8 +43,7 @@ std::vector<at::Tensor> distinct(const std::vector<at::Tensor>& all, std::vector
   return out;
 }
 
-// Gives the replica's tensor slots the storage `views[index[k]]`; tensors shared between positions
-// in the module must be shared in the replica too (else one copy would miss its gradient).
+// Binds the slots to `views[index[k]]`; tensors shared in the module stay shared (one gradient).
 std::vector<at::Tensor> bind_slots(const std::vector<at::Tensor>& slots,
                                    const std::vector<size_t>& index,
                                    const std::vector<at::Tensor>& views, c10::Device device) {
@@ -82,8 +79,7 @@ std::vector<int64_t> GraphedReplicas::current_layout() const {
   for (const auto& m : modules) {
     key.push_back(static_cast<int64_t>(reinterpret_cast<intptr_t>(m.get())));
   }
-  // Which tensors, where they live and in what shape (set_data, to() and a new tensor over the
-  // same storage all show).
+  // Which tensors, where and in what shape (set_data, to() and new tensors all show).
   auto add = [&key](const at::Tensor& t) {
     key.push_back(static_cast<int64_t>(reinterpret_cast<intptr_t>(t.unsafeGetTensorImpl())));
     key.push_back(static_cast<int64_t>(reinterpret_cast<intptr_t>(t.data_ptr())));
@@ -153,8 +149,7 @@ std::vector<at::Tensor> GraphedReplicas::run(const std::vector<std::vector<at::T
   }
   auto outputs = steps_.run(
       steps_.signature(key, chunks), chunks, [&](size_t j, const std::vector<at::Tensor>& inputs) {
-        // The replica's training flags as the module's (pre-order: each module's own call comes
-        // last).
+        // Training flags as the module's (pre-order: each module's own call comes last).
         const auto copies = replicas_[j]->modules();
         for (const auto k : c10::irange(std::min(originals.size(), copies.size()))) {
           copies[k]->train(originals[k]->is_training());

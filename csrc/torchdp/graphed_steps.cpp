@@ -1,6 +1,4 @@
-// GraphedSteps: the CUDA-graph engine of cuda_graphs=True, over tensors (Note [Graphed replicas]
-// in graphed_replicas.h). Both front ends drive it: GraphedReplicas (C++ modules) and
-// python/torchdp/_graphs.py (Python modules).
+// GraphedSteps: the CUDA-graph engine of cuda_graphs=True (Note [Graphed replicas]).
 
 #include <torchdp/config.h>
 #include <torchdp/graphed_replicas.h>
@@ -46,8 +44,7 @@ using torch::autograd::variable_list;
 using NodePtr = decltype(torch::autograd::Edge::function);
 using Flat = std::map<at::ScalarType, at::Tensor>;
 
-// Autograd nodes are held by std::shared_ptr in older torch releases and by c10::intrusive_ptr in
-// newer ones (a template, so that only the matching branch is compiled).
+// Older torch holds autograd nodes by std::shared_ptr, newer by c10::intrusive_ptr.
 template <typename T>
 NodePtr make_node() {
   if constexpr (std::is_same_v<NodePtr, std::shared_ptr<Node>>) {
@@ -57,8 +54,7 @@ NodePtr make_node() {
   }
 }
 
-// One flat tensor per dtype on `device` holding `tensors` back to back; `views[i]` is tensors[i]'s
-// place in it (contiguous, same shape).
+// One flat tensor per dtype on `device` holding `tensors` back to back; `views[i]`: tensors[i]'s.
 Flat make_flat(const std::vector<at::Tensor>& tensors, c10::Device device,
                std::vector<at::Tensor>& views) {
   std::map<at::ScalarType, int64_t> totals;
@@ -89,14 +85,12 @@ void wait_for(const c10::cuda::CUDAStream& stream, const c10::cuda::CUDAStream& 
   event.block(stream);
 }
 
-// Only this thread's unsafe CUDA calls may break a capture: in the default global mode a call from
-// any other thread (a data loader allocating pinned memory) invalidates it. The backward is
-// captured on the autograd engine's threads, whose kernels go to the capturing stream and are
-// captured whatever their thread's mode.
+// Thread-local: in the global mode any thread's unsafe CUDA call (a data loader pinning memory)
+// breaks the capture. The autograd engine's threads still queue onto the capturing stream.
 constexpr cudaStreamCaptureMode kCaptureMode = cudaStreamCaptureModeThreadLocal;
 
-// Ends a capture whose recording threw, so that the stream and the allocator leave capture mode
-// (the graph is discarded; ending an invalidated capture may report an error of its own).
+// Ends a capture whose recording threw, so that stream and allocator leave capture mode (its
+// own error, from an invalidated capture, is dropped).
 void end_failed_capture(at::cuda::CUDAGraph& graph) {
   try {
     graph.capture_end();
@@ -104,9 +98,7 @@ void end_failed_capture(at::cuda::CUDAGraph& graph) {
   }
 }
 
-// The warm-up's backward may run through parameters whose AccumulateGrad nodes belong to a live
-// graph of the caller's stream; the synchronisation autograd warns about then is what the warm-up
-// needs anyway, so that warning is dropped.
+// Drops autograd's AccumulateGrad stream warning: the warm-up needs that synchronisation anyway.
 class QuietAccumulateGrad : public c10::WarningHandler {
  public:
   QuietAccumulateGrad() : previous_(c10::WarningUtils::get_warning_handler()) {}
@@ -135,8 +127,7 @@ struct Capture {
   std::vector<std::vector<at::Tensor>> static_grad_in;  // per replica, per input (or undefined)
   int64_t generation = 0;
   std::weak_ptr<bool> pending; // alive while the last forward's node waits for its backward
-  // What the backward needs even after a rebuild: the replicas whose weights its graphs read,
-  // and the parameters its gradients are sliced for.
+  // Kept for the backward even across a rebuild.
   std::vector<Replica> replicas;
   std::vector<at::Tensor> grad_params;
 };
@@ -167,9 +158,7 @@ struct GraphedSteps::State {
 
 namespace {
 
-// The backward of one graphed forward: replays every replica's backward graph, sums the flat
-// parameter gradients on the first device and returns the inputs' gradients and each parameter's
-// slice.
+// Replays the backward graphs: the inputs' gradients, then each parameter's slice of the sum.
 struct GraphedBackward : Node {
   std::shared_ptr<GraphedSteps::State> state;
   std::shared_ptr<Capture> capture;
@@ -237,8 +226,7 @@ struct GraphedBackward : Node {
       out.push_back(totals.at(p.scalar_type()).narrow(0, offset, p.numel()).view(p.sizes()));
       offset += p.numel();
     }
-    // The engine orders the consumers of these gradients after this node's stream only: that
-    // stream waits for the work queued on the other devices' streams (replays, clones).
+    // Consumers are ordered after this node's stream only: it waits for the other devices'.
     for (const auto j : c10::irange(size_t{1}, n)) {
       wait_for(node_stream, c10::cuda::getCurrentCUDAStream(devices[j].index()));
     }
@@ -246,8 +234,7 @@ struct GraphedBackward : Node {
   }
 };
 
-// What the backward differentiates replica j with respect to: its parameter leaves, then its
-// inputs that require grad (their positions in `index`).
+// Replica j's parameter leaves, then its inputs that require grad (positions in `index`).
 variable_list wrt_of(const Replica& replica, const std::vector<at::Tensor>& inputs,
                      std::vector<size_t>* index = nullptr) {
   variable_list wrt = replica.grad_leaves;
@@ -331,8 +318,7 @@ void GraphedSteps::State::warm_up(Capture& capture, const Forward& forward, size
           torch::autograd::grad(outs, wrt, ones, std::nullopt, false, true);
         }
       } catch (...) {
-        // The caller restores the buffers on the current stream: it must come after whatever the
-        // failed step queued on the side stream (a BatchNorm's running statistics).
+        // The caller restores the buffers on the current stream, after the failed step's work.
         wait_for(current, side);
         throw;
       }
@@ -404,8 +390,7 @@ void GraphedSteps::State::record(Capture& capture, const Forward& forward, size_
       backward->capture_end();
     }
     c10::cuda::device_synchronize();
-    // Detached: the capture's autograd graph is freed (it would hold the parameters'
-    // AccumulateGrad nodes of the capture stream).
+    // Detached, freeing the capture's autograd graph (and its AccumulateGrad nodes).
     for (auto& o : outs) {
       o = o.detach();
     }
@@ -440,8 +425,7 @@ std::shared_ptr<Capture> GraphedSteps::State::capture(
   }
   refresh(n);
 
-  // Warm-up, then undo its effects on buffers and random number generators. Autocast's cast
-  // cache would keep tensors of the graphs' pools alive, so it is off while capturing.
+  // Warm-up, undone for buffers and RNGs; no autocast cache (it keeps graph-pool tensors alive).
   const bool cache = at::autocast::is_autocast_cache_enabled();
   at::autocast::set_autocast_cache_enabled(false);
   std::vector<at::Tensor> saved;
@@ -478,8 +462,7 @@ std::shared_ptr<Capture> GraphedSteps::State::capture(
     record(*capture, forward, n);
   } catch (const std::exception& e) {
     at::autocast::set_autocast_cache_enabled(cache);
-    // A capture that fails before its end leaves the default generators in capture mode (every
-    // later random op would raise): each gets a fresh state, at the state before the capture.
+    // A failed capture leaves the default generators in capture mode: fresh ones, as before it.
     for (const auto& [index, state] : rng) {
       auto fresh = at::cuda::detail::createCUDAGenerator(index);
       fresh.set_state(state);
@@ -610,8 +593,7 @@ std::optional<std::vector<std::vector<at::Tensor>>> GraphedSteps::run(
   auto& s = *state_;
   const size_t n = inputs.size();
   if (c10::InferenceMode::is_enabled()) {
-    // Tensors made now would be inference tensors, which later (training) forwards could not
-    // refresh in place; inference mode runs eagerly.
+    // Inference tensors could not be refreshed in place by later training forwards.
     return std::nullopt;
   }
   TORCH_CHECK(n >= 1 && n <= s.replicas.size(), s.api, ": got ", n, " input lists for ",

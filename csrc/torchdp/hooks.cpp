@@ -66,8 +66,7 @@ PostReplicateHookHandle register_instance_hook(const std::shared_ptr<torch::nn::
   return add(
       "for instance of " + module->name(),
       [weak, raw](const torch::nn::Module& m) {
-        // The pointer test is cheap; the weak_ptr guards against a new module that reuses
-        // the address of a destroyed one.
+        // The weak_ptr guards against a new module at a destroyed one's address.
         if (&m != raw) {
           return false;
         }

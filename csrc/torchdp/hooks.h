@@ -17,9 +17,8 @@
 
 namespace torchdp {
 
-/// State shared by every copy of one module position during one replicate call (the
-/// Synchronized-BatchNorm `ctx` convention): the master copy (replica 0) sees it first and can
-/// leave values there for the copies on the other devices.
+/// State shared by the copies of one module position during one replicate call (SyncBatchNorm's
+/// `ctx` convention): replica 0 sees it first and can leave values for the others.
 class ReplicaContext {
  public:
   ReplicaContext(std::string path, std::vector<c10::Device> devices)
@@ -41,15 +40,12 @@ class ReplicaContext {
   std::vector<c10::Device> devices_;
 };
 
-/// A post-replicate hook: called once per replica of each matching module, after every replica
-/// exists, master copy (index 0) first, with the replica, the original module, the replica's
-/// device, the replica index and the context shared by the copies of that module.
+/// A post-replicate hook: called per replica of each matching module, replica 0 first.
 using PostReplicateHook =
     std::function<void(torch::nn::Module& replica, const torch::nn::Module& original,
                        c10::Device device, int64_t replica_index, ReplicaContext& ctx)>;
 
-/// Returned by register_post_replicate_hook; remove() unregisters the hook (idempotent). Dropping
-/// the handle does not remove the hook, as with torch.utils.hooks.RemovableHandle.
+/// Returned by register_post_replicate_hook; dropping it keeps the hook (as RemovableHandle).
 class PostReplicateHookHandle {
  public:
   PostReplicateHookHandle() = default;
@@ -90,8 +86,7 @@ std::vector<std::shared_ptr<const HookEntry>> hooks_for(const torch::nn::Module&
 /// True when no hook is registered at all (lets replicate skip the per-module lookups).
 bool no_hooks_registered();
 
-// The Impl class of a module type given as Impl or as a holder (TORCH_MODULE classes derive from
-// ModuleHolder<Impl>, which names it ContainedType).
+// The Impl class of a module type given as Impl or as a holder (ModuleHolder's ContainedType).
 template <typename T, typename = void>
 struct contained {
   using type = T;
@@ -117,18 +112,9 @@ PostReplicateHook typed(Fn fn) {
 
 } // namespace detail
 
-/// Registers `fn` for every module that is a `ModuleType` (the Impl class, e.g. `MaskedLinearImpl`,
-/// or its holder, e.g. `MaskedLinear`), subclasses included. `fn` is called as
+/// Registers `fn` for every `ModuleType` (Impl or holder, subclasses included), called as
 /// `fn(ModuleType& replica, const ModuleType& original, c10::Device device, int64_t replica_index,
 /// torchdp::ReplicaContext& ctx)`.
-///
-/// Example::
-///
-///   auto handle = torchdp::register_post_replicate_hook<MaskedLinearImpl>(
-///       [](MaskedLinearImpl& replica, const MaskedLinearImpl&, c10::Device device, int64_t,
-///          torchdp::ReplicaContext&) { replica.refresh_cache(); });
-///   ...
-///   handle.remove();
 template <typename ModuleType, typename Fn>
 PostReplicateHookHandle register_post_replicate_hook(Fn fn) {
   using Impl = typename detail::contained<std::decay_t<ModuleType>>::type;
@@ -170,14 +156,11 @@ struct Misplaced {
   const char* kind; // "parameter" or "buffer"
   c10::Device device;
 };
-/// The first registered parameter or buffer of `module` (recursively, parameters before buffers,
-/// pre-order) that is not on `expected`.
+/// The first registered parameter or buffer of `module` (pre-order) not on `expected`.
 std::optional<Misplaced> find_misplaced(const torch::nn::Module& module, c10::Device expected);
 } // namespace detail
 
-/// The replica device check: every registered parameter and buffer of `replica` (recursively) must
-/// be on `device`. Raises a c10::Error naming the qualified tensor name, its device and the
-/// expected one, and how to fix it.
+/// Raises a c10::Error naming the first tensor of `replica` not on `device`, and the fix.
 void check_replica_devices(const torch::nn::Module& replica, c10::Device device,
                            int64_t replica_index, const char* api);
 

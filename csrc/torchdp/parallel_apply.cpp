@@ -12,8 +12,7 @@
 
 #if defined(__GLIBCXX__)
 #include <cxxabi.h> // abi::__forced_unwind
-// A forced unwind has no exception object, so UBSan reports the (standard) catch clause that
-// rethrows it as a null reference binding; that clause's function is not checked for it.
+// UBSan sees the catch clause rethrowing a forced unwind (no exception object) as a null binding.
 #define TORCHDP_RETHROWS_FORCED_UNWIND __attribute__((no_sanitize("null")))
 #else
 #define TORCHDP_RETHROWS_FORCED_UNWIND
@@ -35,18 +34,11 @@ namespace {
 thread_local bool in_worker = false;
 
 // Note [Persistent workers]
-// parallel_apply runs every step, so creating threads per call (as torch.nn.parallel does) costs
-// real time; workers are created on first use and reused. Two invariants:
-// - A call's tasks start at once, each on a worker of its own, whatever other callers do: a task
-//   is handed only to an idle worker (one of its slot's, else a new one) and never queued behind
-//   another call's task. Replicas that wait for each other inside forward (a barrier among the
-//   replicas of one call, as synchronised BatchNorm does) cannot then deadlock with the replicas
-//   of a concurrent call. A task that hangs keeps its worker; later calls take other workers.
-// - A forked child gets a fresh, empty pool (pthread_atfork): the parent's workers do not exist
-//   there, and the parent's pool (whose locks may have been held at fork time) is left untouched.
-// A worker returns to its slot's idle list after its task; beyond kIdlePerSlot idle workers per
-// slot (concurrent callers), it ends instead. Pools are never destroyed: joining threads from
-// static destructors can deadlock with libraries that are already torn down.
+// Workers are made on first use and reused, since parallel_apply runs every step. A call's tasks
+// start at once, each on an idle worker of its slot or a new one, never queued behind another
+// call's: replicas that wait for each other (synchronised BatchNorm) cannot deadlock with a
+// concurrent call's. A forked child gets a fresh pool (pthread_atfork). Pools are never destroyed:
+// joining threads in static destructors can deadlock with libraries already torn down.
 class WorkerPool {
  public:
   static WorkerPool& instance() {
@@ -66,8 +58,8 @@ class WorkerPool {
     return *pool;
   }
 
-  // Runs `task` at once on an idle worker of `slot`, or on a new one; then `done`, once that
-  // worker is idle again (so that a caller woken by `done` finds it for its next call).
+  // Runs `task` at once on an idle worker of `slot`, or a new one; then `done`, once that worker
+  // is idle again, so that a caller woken by `done` finds it for its next call.
   void submit(size_t slot, std::function<void()> task, std::function<void()> done) {
     Worker* worker = nullptr;
     {
@@ -159,7 +151,6 @@ class WorkerPool {
 
 std::atomic<WorkerPool*> WorkerPool::current_{nullptr};
 
-// Counts finished tasks; the caller waits for all.
 struct Latch {
   std::mutex mutex;
   std::condition_variable cv;
@@ -177,7 +168,6 @@ struct Latch {
       return remaining == 0;
     });
   }
-  // True when every task finished within `timeout`.
   bool wait_for(std::chrono::milliseconds timeout) {
     std::unique_lock<std::mutex> lock(mutex);
     return cv.wait_for(lock, timeout, [this] {
@@ -194,8 +184,7 @@ std::string device_label(c10::Device device) {
   return device.str();
 }
 
-// Rethrows `error`, caught in replica `index` on `device`, with PyTorch's "Caught ..." wording and
-// the same c10::Error class where it has one.
+// Rethrows `error` of replica `index` with PyTorch's "Caught ..." wording and c10::Error class.
 [[noreturn]] void rethrow_wrapped(std::exception_ptr error, size_t index, c10::Device device) {
   const auto where = " in replica " + std::to_string(index) + " on device " + device_label(device);
   try {
@@ -209,10 +198,9 @@ std::string device_label(c10::Device device) {
 }
 
 // Note [Interruptible waits]
-// Everything a call's tasks touch lives in one heap object that every task keeps alive, so a
-// caller that stops waiting (the interruptible parallel_run: Ctrl-C in Python while a replica
-// hangs) can return while tasks are still running. Their workers stay busy until the tasks end
-// (Note [Persistent workers]), so the next call runs on other workers.
+// A call's state lives in one heap object that every task keeps alive, so a caller that stops
+// waiting (Ctrl-C in Python while a replica hangs) can return while tasks still run. Their workers
+// stay busy until the tasks end (Note [Persistent workers]), so the next call takes other workers.
 struct Run {
   Run(size_t n, const std::vector<c10::Device>& devices, std::function<void(size_t)> fn)
       : devices(devices.begin(), devices.begin() + static_cast<std::ptrdiff_t>(n)),
@@ -221,8 +209,7 @@ struct Run {
         errors(n),
         fn(std::move(fn)),
         latch(n > 0 ? n - 1 : 0) {
-    // Captured in the calling thread: its current stream on each device and its thread-local
-    // state.
+    // The calling thread's current streams and thread-local state, carried into the tasks.
     for (size_t i = 0; i < n; ++i) {
       if (needs_guard(this->devices[i])) {
         streams[i] =
@@ -242,8 +229,7 @@ struct Run {
       fn(i);
 #if defined(__GLIBCXX__)
     } catch (abi::__forced_unwind&) {
-      // The thread is being ended (pthread_exit, e.g. by Python taking the GIL away from an
-      // abandoned task at interpreter exit): that unwinding must not be stopped.
+      // A thread ended by pthread_exit (Python at interpreter exit) must not stop unwinding.
       throw;
 #endif
     } catch (...) {
@@ -268,7 +254,6 @@ struct Run {
   Latch latch;
 };
 
-// Marks the calling thread as running a task while it lives (restored at scope exit).
 class InWorker {
  public:
   InWorker() : was_(in_worker) {

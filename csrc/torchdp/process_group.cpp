@@ -25,38 +25,13 @@
 #include <utility>
 
 // Note [Reducing across processes]
-// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-// DataParallel sums the gradients of one process's replicas into the module's parameters. With a
-// process group, the processes of the group then average those sums, as DistributedDataParallel
-// does, so that one process per host trains like one process on the global batch. This engine
-// serves both front ends: the C++ DataParallel, and the Python wrapper through torchdp._C
-// (torchdp/_process_group.py walks the Python module and its outputs and calls it).
-//
-// - First forward, and the first forward after the parameters changed (other tensors, another
-//   requires_grad, dtype or device): the processes compare their modules (number and elements of
-//   parameters and buffers, a hash of shapes, dtypes and requires_grad; a mismatch fails in every
-//   process) and take group rank 0's values. DDP does this at construction; here the module has
-//   reached its device by then. The processes must change their modules alike.
-// - Each forward with grad mode on, outside no_sync(): group rank 0's buffers first
-//   (broadcast_buffers), then the outputs are hooked (not leaf outputs: a hook on a leaf would
-//   outlive the step).
-// - The first hooked output that a backward pass reaches queues an engine callback, which queues
-//   the reduction as a second callback: that runs after every callback queued later in the pass
-//   (the gradient buckets' own, which give unused parameters their zeros), when every gradient of
-//   the pass is in place. One reduction per pass, however many forwards it goes through. A pass
-//   that writes none of the parameters' gradients (autograd::grad) reduces nothing.
-// - The reduction divides each bucket (parameters in reverse order, by device and dtype, up to
-//   bucket_cap_mb) by the group's size, all-reduces every bucket, waits for all and only then
-//   copies the averages into .grad (a failure leaves the gradients as they were). Every process
-//   must hold the same buckets, so a parameter without a gradient takes part with zeros and gets
-//   the average. Each bucket carries one more element per parameter, 1 where the process has a
-//   gradient: a parameter without one in every process keeps none, as DDP leaves it (only a
-//   process that lacks a gradient reads those sums, which waits for the device). The weights of
-//   sparse embeddings (the front end says which) are all-reduced one by one as sparse tensors
-//   (empty ones where unused), with their flags in one more all-reduce; other sparse gradients
-//   are reduced densely.
-// Averaging a gradient that is already equal in every process leaves it as it is, so gradients
-// accumulated over several passes (with or without no_sync) come out right.
+// With a process group, the processes average their replicas' summed gradients, as DDP does. At
+// the first forward after the parameters changed they check that their modules match and take
+// rank 0's values. The first hooked output a pass reaches queues a callback that queues the
+// reduction, so it runs once per pass, after the gradient buckets' callbacks. All processes hold
+// the same buckets: a missing gradient joins as zeros, and a flag per parameter leaves None where
+// no process has one, as DDP does. Gradients are written only once every all-reduce succeeded;
+// averaging equal gradients changes nothing, so accumulation over passes stays right.
 
 namespace torchdp::detail {
 
@@ -116,12 +91,11 @@ struct ProcessGroupSync::Layout {
   std::vector<at::Tensor> params;
   std::vector<Edge> accumulators; // kept, so that they stay the parameters' nodes
   std::vector<std::vector<size_t>> buckets;
-  std::vector<size_t> sparse; // sparse embeddings' weights, reduced one by one as sparse tensors
+  std::vector<size_t> sparse; // sparse embeddings' weights, reduced as sparse tensors
   c10::intrusive_ptr<c10d::ProcessGroup> group;
   std::string api;
 
-  // Whether the running backward pass writes the gradient of one of the parameters (not when
-  // autograd::grad only captures them).
+  // Whether this backward pass writes a parameter's gradient (autograd::grad only captures them).
   bool accumulates_in_current_pass() const {
     const auto* info = torch::autograd::get_current_graph_task_exec_info();
     if (info == nullptr || info->empty()) { // a plain backward: every node of the graph runs
@@ -157,7 +131,7 @@ struct ProcessGroupSync::Layout {
       bool missing = false; // a member has no gradient in this process
     };
     std::vector<Pending> pending;
-    std::vector<std::pair<size_t, at::Tensor>> writes; // (parameter, new grad)
+    std::vector<std::pair<size_t, at::Tensor>> writes;
     for (const auto& bucket : buckets) {
       Pending entry;
       entry.members = bucket;
@@ -233,9 +207,7 @@ struct ProcessGroupSync::Layout {
         sparse_work->wait();
       });
     }
-    // Every reduction is done: only now are gradients written. A parameter without a gradient in
-    // any process keeps none, as with DDP (reading the flags waits for the device, so only a
-    // process that lacks a gradient reads them).
+    // All reduced. Only a process lacking a gradient reads the flags, as that waits for the device.
     for (auto& p : pending) {
       const auto used = p.missing
                             ? p.flat.narrow(0, p.numel, static_cast<int64_t>(p.members.size()))
@@ -293,8 +265,7 @@ struct ProcessGroupSync::Passes {
                       const std::shared_ptr<ProcessGroupSync::Layout>& layout) {
     const int task = torch::autograd::get_current_graph_task_id();
     {
-      // Outputs on several devices reach their hooks on several autograd threads at once, and a
-      // pass may go through several forwards.
+      // Hooks run on several autograd threads at once, and a pass may span several forwards.
       std::lock_guard<std::mutex> lock(self->mutex);
       if (!self->queued.insert(task).second) {
         return;
@@ -376,8 +347,7 @@ void ProcessGroupSync::agree(const std::vector<at::Tensor>& params,
               ": the parameters hold a tensor twice; pass each parameter once");
   at::NoGradGuard no_grad;
   const auto unique_buffers = unique(buffers);
-  // Also with nothing to compare: a process whose module is empty must still meet the others'
-  // check, or they would wait for it.
+  // Even with nothing to compare: the other processes wait for this one's check.
   check_same_module(params, unique_buffers);
   auto all = params;
   all.insert(all.end(), unique_buffers.begin(), unique_buffers.end());
@@ -552,8 +522,7 @@ void ProcessGroupSync::watch(const std::vector<at::Tensor>& outputs, size_t buck
   }
   std::vector<at::Tensor> hooked;
   for (const auto& t : outputs) {
-    // Leaf outputs (a parameter or input returned as it is) are not hooked: a hook on a leaf
-    // outlives the step, and the processes would add one per forward.
+    // Leaf outputs are not hooked: a hook on a leaf outlives the step, one more per forward.
     if (t.defined() && t.requires_grad() && !t.is_leaf()) {
       hooked.push_back(t);
     }

@@ -1,10 +1,7 @@
 #pragma once
 
-// Averaging gradients over the processes of a c10d process group: the one engine behind
-// DataParallelOptions::process_group and Python's DataParallel(process_group=...) (see Note
-// [Reducing across processes] in process_group.cpp). It works on tensors and a group, never on a
-// module, as DDP's Reducer does: each front end walks its own module. Compiled when the libtorch
-// torchdp is built against ships the c10d headers (TORCHDP_WITH_C10D).
+// The engine behind both front ends' process_group option, over tensors and a group, never a
+// module (Note [Reducing across processes] in process_group.cpp). Built with TORCHDP_WITH_C10D.
 
 #include <torchdp/config.h>
 
@@ -32,14 +29,12 @@ class ProcessGroupSync {
     return group_;
   }
 
-  /// Whether `params` are the parameters the processes last agreed on (the same tensors, each
-  /// with the same requires_grad, dtype and device). Always true in a group of one.
+  /// Whether `params` are the tensors last agreed on, alike in requires_grad, dtype and device.
   bool agreed(const std::vector<at::Tensor>& params) const;
 
-  /// Checks that every process holds the same parameters and buffers (counts, shapes, dtypes,
-  /// requires_grad) and takes group rank 0's values; remembers `params` for watch().
-  /// `sparse[i]`: params[i] gets sparse gradients (a sparse embedding's weight), all-reduced as
-  /// sparse tensors; empty means none. Every process must call it at the same forward.
+  /// Checks that every process holds matching parameters and buffers, takes group rank 0's values
+  /// and remembers `params` for watch(). `sparse[i]`: params[i] gets sparse gradients (empty:
+  /// none). Every process must call it at the same forward.
   void agree(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& buffers,
              const std::vector<bool>& sparse);
 
@@ -50,13 +45,11 @@ class ProcessGroupSync {
   /// broadcast() of its buffers when `buffers`. Sparse: Embedding/EmbeddingBag with sparse().
   void before_forward(const torch::nn::Module& module, bool buffers);
 
-  /// Hooks `outputs` (those that require grad and are not leaves) so that a backward pass through
-  /// them ends with the agreed parameters' gradients averaged over the group. `bucket_bytes`: 0
-  /// gives one bucket per device and dtype. Call after agree().
+  /// Hooks the non-leaf `outputs` that require grad so that a backward through them averages the
+  /// agreed parameters' gradients (`bucket_bytes` 0: one bucket per device and dtype).
   void watch(const std::vector<at::Tensor>& outputs, size_t bucket_bytes);
 
-  /// The backward passes this object still remembers (their hooks ran, their end did not come
-  /// yet): at most max_passes(), the oldest dropped first.
+  /// Backward passes whose hooks ran and whose end has not come, at most max_passes().
   size_t remembered_passes() const;
   static constexpr size_t kMaxPasses = 1024;
   size_t max_passes() const;

@@ -57,8 +57,7 @@ struct SlotSpec {
   bool is_param;
 };
 
-// What one walk over the original finds: its positions, registered tensors and a signature of its
-// structure and training flags (the cache key of the skeletons).
+// One walk over the original; `signature` (structure and training flags) keys the skeletons.
 struct Walk {
   std::vector<Position> positions;
   std::vector<SlotSpec> specs;
@@ -72,8 +71,7 @@ void walk(Module& m, const std::string& path, Walk& w, std::unordered_set<const 
   w.signature += path;
   w.signature += '|';
   w.signature += std::to_string(reinterpret_cast<uintptr_t>(&m));
-  // The type too: a module replaced by one of another type at a freed address must not be served
-  // the old one's skeleton.
+  // The type too: a new module of another type at a freed address must not get the old skeleton.
   w.signature += typeid(m).name();
   w.signature += m.is_training() ? "T" : "E";
   for (const auto& p : m.named_parameters(/*recurse=*/false)) {
@@ -103,8 +101,7 @@ struct ReplicaSet {
 
 void align(const Module& original, Module& replica, const std::string& path,
            std::vector<Module*>& out) {
-  // A class derived from a Cloneable<Base> module inherits Base's clone(), which builds a Base:
-  // its replicas would silently run Base's forward.
+  // A class derived from a Cloneable<Base> inherits its clone(): replicas would run Base's forward.
   TORCH_CHECK(typeid(replica) == typeid(original), kApi, ": the clone() of module '", where(path),
               "' (type ", c10::demangle(typeid(original).name()), ") is a ",
               c10::demangle(typeid(replica).name()),
@@ -118,8 +115,7 @@ void align(const Module& original, Module& replica, const std::string& path,
     TORCH_CHECK(found != nullptr, kApi, ": the clone() of module '", where(path), "' (type ",
                 original.name(), ") has no submodule '", c.key(),
                 "'; clone() must reproduce every registered submodule (register it in reset())");
-    // Sequential and AnyModule clone a child through a cast to its own type, which yields null
-    // when the child's clone() built a base class.
+    // Sequential and AnyModule cast a cloned child to its type: null if its clone() built a base.
     TORCH_CHECK(*found != nullptr, kApi, ": the clone() of module '", where(join(path, c.key())),
                 "' (type ", c10::demangle(typeid(*c.value()).name()),
                 ") is null: a class derived from a Cloneable module inherits its base's clone(), "
@@ -129,9 +125,8 @@ void align(const Module& original, Module& replica, const std::string& path,
   }
 }
 
-// Keeps the default CPU generator's state across its scope: Cloneable::clone() runs reset(),
-// which initialises the skeleton's parameters from it (their values are overwritten at once), and
-// building replicas must not move the caller's random number stream.
+// Keeps the default CPU generator's state: clone() runs reset(), which draws initial values that
+// are overwritten at once, and building replicas must not move the caller's random stream.
 class CpuRngGuard {
  public:
   CpuRngGuard() : gen_(at::detail::getDefaultCPUGenerator()) {
@@ -214,8 +209,7 @@ ReplicaSet build(const Walk& w, const std::vector<c10::Device>& devices,
         clear_leaf_requires_grad(slots[s]);
       }
     }
-    // The clone's own copies of the tensors are replaced at the first rebind: freed now, so that
-    // building n skeletons never holds n copies of the module on its device at once.
+    // Freed now (replaced at the first rebind): n skeletons never hold n copies of the module.
     for (auto& slot : slots) {
       if (slot.defined()) {
         slot.unsafeGetTensorImpl()->shallow_copy_from(
@@ -232,11 +226,9 @@ ReplicaSet build(const Walk& w, const std::vector<c10::Device>& devices,
 }
 
 // Note [Rebinding a replica tensor]
-// The replica's TensorImpl takes the value's storage, sizes, strides, dtype and device
-// (shallow_copy_from, what Tensor::set_data does minus its same-backend check, so a skeleton made
-// on the CPU can be rebound to a meta or CUDA copy), then the value's version counter, so in-place
-// updates of replica 0 are seen by autograd checks on the original, and finally the value's
-// gradient edge (none for detached copies).
+// The replica's TensorImpl takes the value's storage and metadata (set_data minus its same-backend
+// check, so a CPU skeleton can take a meta or CUDA copy), its version counter (autograd checks on
+// the original see replica 0's in-place updates) and its gradient edge.
 void assign_data(const at::Tensor& slot, const at::Tensor& value) {
   TORCH_CHECK(value.layout() == c10::kStrided && slot.layout() == c10::kStrided, kApi,
               ": only strided (dense) parameters and buffers can be replicated, got layout ",
@@ -314,7 +306,6 @@ std::vector<std::shared_ptr<Module>> Replicator::replicate(
   std::unordered_set<const Module*> seen;
   walk(*module, "", w, seen);
 
-  // The source device: every registered tensor must be on one device.
   std::optional<c10::Device> source;
   size_t source_spec = 0;
   std::vector<at::Tensor> unique;
@@ -348,7 +339,6 @@ std::vector<std::shared_ptr<Module>> Replicator::replicate(
     unique_of[s] = it->second;
   }
 
-  // Find or build the skeletons for this device list.
   ReplicaSet* set = nullptr;
   for (auto it = state_->sets.begin(); it != state_->sets.end(); ++it) {
     if (it->devices == devices) {
@@ -429,8 +419,7 @@ std::vector<std::shared_ptr<Module>> Replicator::replicate(
       }
     }
 
-    // The replica device check: a full walk when hooks ran or the skeletons are new (clone() may
-    // register tensors of its own); otherwise only the tensors rebound above can be registered.
+    // A full device check when hooks ran or the skeletons are new (clone() may register tensors).
     for (const auto j : c10::irange(n)) {
       if (hooks_ran || built) {
         check_replica_devices(*set->roots[j], devices[j], static_cast<int64_t>(j), kApi);
@@ -572,8 +561,7 @@ void BufferSnapshot::take(const std::vector<at::Tensor>& tensors) {
   std::vector<at::Tensor> kept;
   kept.reserve(tensors.size());
   for (const auto& t : tensors) {
-    // Tensors whose elements overlap (expanded ones) cannot be written in place, so no forward
-    // changed them; sparse and other non-strided layouts are left out too.
+    // No in-place write changes an expanded tensor; non-strided layouts are left out too.
     if (!t.defined() || t.is_meta() || t.layout() != c10::kStrided ||
         at::has_internal_overlap(t) == at::MemOverlap::Yes ||
         !seen.insert(t.unsafeGetTensorImpl()).second) {
@@ -581,8 +569,7 @@ void BufferSnapshot::take(const std::vector<at::Tensor>& tensors) {
     }
     kept.push_back(t);
   }
-  // The same tensors as at the last take (same objects, sizes, dtypes and devices): the copies
-  // are reused, and one _foreach_copy_ per device and dtype refreshes them.
+  // The same tensors as at the last take: the copies are reused and refreshed in place.
   bool same = kept.size() == tensors_.size();
   for (size_t i = 0; same && i < kept.size(); ++i) {
     const auto& a = kept[i];
@@ -591,8 +578,7 @@ void BufferSnapshot::take(const std::vector<at::Tensor>& tensors) {
            a.scalar_type() == copies_[i].scalar_type() && a.device() == copies_[i].device();
   }
   if (!same) {
-    // Normal tensors even when the first copy is taken under inference mode: the copies are
-    // refreshed in place by later forwards outside it.
+    // Not inference tensors: later forwards outside inference mode refresh them in place.
     const c10::InferenceMode normal_tensors(false);
     tensors_ = std::move(kept);
     copies_.clear();

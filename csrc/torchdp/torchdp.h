@@ -1,7 +1,6 @@
 #pragma once
 
-/// The whole public API of torchdp: data parallelism over the devices of one process for
-/// torch::nn::Module (see README.md).
+/// The whole public API of torchdp: data parallelism over one process's devices (see README.md).
 #include <torchdp/autograd.h>
 #include <torchdp/comm.h>
 #include <torchdp/config.h>

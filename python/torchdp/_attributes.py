@@ -1,28 +1,5 @@
-"""The stale-attribute check of Python replicas (``stale_attributes=`` of the replicate APIs).
-
-Replicate copies a module's *registered* parameters and buffers to each device. Every other
-attribute of a replica is the original's object, shared by reference: a plain tensor attribute
-(``self.pixel_mean = torch.tensor(...)``) stays on the source device, and a plain Python list of
-submodules (``self.stages = [self.res2, self.res3]``) still holds the *original* modules, whose
-parameters live on the source device too. The replica on another device then fails inside its
-forward ("expected all tensors to be on the same device") or silently computes with the
-original's modules.
-
-After the post-replicate hooks have run, this check looks at the plain attributes (and the
-lists, tuples, dicts and deques in them) of every replica whose device is not the source device, and
-finds those two kinds of stale state. The policy says what happens:
-
-* ``"move"``: the replica gets its own copy of a stale tensor on its device (a differentiable
-  ``.to()``; a tensor that is one of the network's registered parameters or buffers becomes that
-  replica's copy of it), and references to the network's modules become references to the
-  replica's copies. Containers are rebuilt for the replica; the original's are never changed.
-* ``"warn"``: the replica is left as PyTorch leaves it, and a warning names the class, the
-  attribute and the fix (once per class and attribute).
-* ``"error"``: a ``RuntimeError`` names the module, the attribute, the devices and the fixes.
-
-Tensors on a device other than the source device (a CPU lookup table in a GPU model) are left
-alone: every replica, replica 0 included, sees the same tensor there.
-"""
+"""The stale-attribute check (``stale_attributes=``): replicate copies only registered tensors, so
+a replica's plain tensor attributes and lists of submodules still hold the original's."""
 
 from __future__ import annotations
 
@@ -47,11 +24,8 @@ __all__ = [
 
 STALE_ATTRIBUTE_POLICIES = ("move", "warn", "error")
 
-# Keys that nn.Module itself keeps in __dict__ (hook dicts, _parameters, _buffers, _modules,
-# training, ...) plus those replicate adds: never user state.
 _INTERNAL_KEYS = frozenset(nn.Module().__dict__) | {"_former_parameters", "_is_replica"}
 
-# How deep lists, tuples and dicts inside an attribute are searched.
 _MAX_DEPTH = 4
 
 _warned: set[tuple[str, str]] = set()
@@ -113,9 +87,8 @@ class _Replica:
 
 
 def map_state(value: Any, leaf: Any, where: str, depth: int = 0) -> Any:
-    """``value`` with ``leaf(x, where)`` applied to the tensors and modules in it, directly or in
-    lists, tuples, named tuples, dicts (subclasses too) and deques up to four levels deep; a
-    container is rebuilt, keeping its type, only where something in it changed."""
+    """``value`` with ``leaf(x, where)`` applied to its tensors and modules, also in lists, tuples,
+    dicts and deques up to _MAX_DEPTH deep; containers are rebuilt, typed alike, only if changed."""
     if isinstance(value, (torch.Tensor, nn.Module)):
         return leaf(value, where)
     if depth >= _MAX_DEPTH:
@@ -129,7 +102,7 @@ def map_state(value: Any, leaf: Any, where: str, depth: int = 0) -> Any:
         if type(value) is tuple:
             return tuple(items)
         return type(value)(*items)
-    if isinstance(value, dict):  # dict, OrderedDict, defaultdict, other subclasses
+    if isinstance(value, dict):
         pairs = [(k, map_state(v, leaf, f"{where}[{k!r}]", depth + 1)) for k, v in value.items()]
         if all(new is value[k] for k, new in pairs):
             return value
@@ -184,8 +157,9 @@ def fix_stale_attributes(
     api: str,
     network: nn.Module,
 ) -> None:
-    """Applies ``policy`` to the stale attributes of the replicas in ``copies``
-    (``copies[j][p]`` is replica j's copy of ``modules[p]``; ``devices[0]`` is the source)."""
+    """Applies ``policy`` where replicas off ``devices[0]`` hold its tensors or the network's
+    modules in plain attributes (``copies[j][p]`` copies ``modules[p]``): 'move' gives them their
+    own copies (containers rebuilt, never the original's), 'warn' warns once per class and key."""
     source = devices[0]
     targets = [j for j, d in enumerate(devices) if d != source]
     if not targets:

@@ -1,12 +1,5 @@
 """Replicas of modules compiled in place with ``module.compile()`` (see
-csrc/python/replicate_build.cpp, Note [Replicating compiled modules]).
-
-``module.compile(**options)`` stores ``torch.compile(module._call_impl, **options)`` in the
-module's ``_compiled_call_impl``: a compiled call bound to *that* module. A replica needs the same
-compiler context applied to its own ``_call_impl``. The context is not an attribute of the compiled
-function, but the function closes over it; when it cannot be found (another torch release), the
-replica runs eagerly and a warning says so once.
-"""
+csrc/python/replicate_build.cpp, Note [Replicating compiled modules])."""
 
 from __future__ import annotations
 
@@ -48,9 +41,8 @@ def _dynamo_context_of(compiled: Any) -> Any:
 
 
 def rebind_compiled_call(replica: Any, compiled: Any) -> None:
-    """Gives ``replica`` a compiled call of its own ``_call_impl`` under the context of
-    ``compiled`` (the original module's ``_compiled_call_impl``); without a context the replica
-    runs eagerly."""
+    """Compiles ``replica._call_impl`` under the dynamo context that ``compiled`` (the original's
+    ``_compiled_call_impl``, bound to it) closes over; without one, eagerly and warned once."""
     global _warned
     context = _dynamo_context_of(compiled)
     if context is None:

@@ -1,6 +1,4 @@
-"""Device helpers of the Python layer: device lists and their checks (normalising ints, strings
-and ``torch.device``; ``devices=`` and ``device_ids=``), the batch dimension, and where the wrapped
-module must be. scatter/gather, replicate, parallel_apply and DataParallel share them."""
+"""Device lists and their checks, the batch dimension and module placement, for the Python layer."""
 
 from __future__ import annotations
 
@@ -30,12 +28,8 @@ def _current_cuda_device(api: str) -> torch.device:
 
 
 def _to_device(device: Any, api: str) -> torch.device:
-    """Converts one entry of a device list to a canonical ``torch.device``.
-
-    ints are CUDA indices (as in ``torch.nn.DataParallel``), strings are parsed by
-    ``torch.device``, ``cpu:0``/``meta:0`` lose their index (tensors report ``cpu``/``meta``), and a
-    CUDA device without an index (or ``None``) is the current CUDA device.
-    """
+    """One device-list entry as a canonical device: ints are CUDA indices, ``cpu:0``/``meta:0``
+    lose their index (as tensors report them), indexless CUDA or ``None`` is the current device."""
     if device is None:
         return _current_cuda_device(api)
     if isinstance(device, str):
@@ -70,7 +64,7 @@ def _to_device(device: Any, api: str) -> torch.device:
 
 
 def _to_devices(devices: Sequence[Any], api: str) -> list[torch.device]:
-    """Converts a device list with :func:`_to_device`; repeated devices are kept."""
+    """:func:`_to_device` on each entry; repeated devices are kept."""
     if isinstance(devices, (str, torch.device, int)):
         raise TypeError(
             f"{api}: expected a list of devices, got a single device {devices!r}; "
@@ -80,7 +74,7 @@ def _to_devices(devices: Sequence[Any], api: str) -> list[torch.device]:
 
 
 def _check_dim(dim: Any, api: str) -> int:
-    """``dim`` as an int (numpy and other integer types accepted), or a TypeError naming ``api``."""
+    """``dim`` as an int (numpy integers too), or a TypeError naming ``api``."""
     if not isinstance(dim, bool):
         try:
             return operator.index(dim)
@@ -120,9 +114,7 @@ def _check_balance(device_ids: Sequence[int]) -> None:
 
 
 def _check_device_ids(device_ids: Sequence[int], output_device: int, api: str) -> None:
-    """CUDA device ids (and an output device other than -1, the CPU) that this process cannot use
-    fail here with torchdp's message, not in PyTorch's device-properties assertion or at the
-    first forward's gather."""
+    """Fails on CUDA ids this process cannot use (output_device -1: the CPU) before PyTorch does."""
     checked = [("device_ids", list(device_ids))]
     if output_device != -1:
         checked.append(("output_device", [output_device]))
@@ -159,8 +151,7 @@ def _explicit_devices(devices: Sequence[DeviceLike], api: str) -> list[torch.dev
 def _resolve_explicit(
     devices: Sequence[DeviceLike], device_ids: Any, output_device: Any, api: str
 ) -> tuple[list[torch.device], Any]:
-    """The keyword-only ``devices=`` path: (device list, output device); rejects ``device_ids``
-    given as well."""
+    """The ``devices=`` path: (device list, output device); refuses ``device_ids`` as well."""
     if device_ids is not None:
         raise ValueError(
             f"{api}: pass either device_ids= or devices=, not both "

@@ -1,15 +1,5 @@
-"""CUDA-graph replicas: ``torchdp.DataParallel(..., cuda_graphs=True)``.
-
-The engine is C++ (``torchdp._C.GraphedSteps``; Note [Graphed replicas] in
-csrc/torchdp/graphed_replicas.h): it lays out the replicas' parameters and buffers, captures and
-replays every replica's forward and backward, and delivers the gradients. This module is its
-Python front end: it builds the replicas with :func:`torchdp.replicate` (post-replicate hooks and
-callbacks run then), installs the engine's tensors in them, and flattens arguments and outputs
-with ``torch.utils._pytree``. The module's parameters and buffers must keep their storage
-(optimizers update them in place); when one is replaced (``p.data =``, ``.to()``, a new
-submodule) everything is rebuilt at the next forward. Outputs must be tensors and containers that
-pytree flattens (other objects are refused at the capture: a replay could not refresh them).
-"""
+"""CUDA-graph replicas (``DataParallel(cuda_graphs=True)``): the Python front end of
+``torchdp._C.GraphedSteps`` (Note [Graphed replicas] in csrc/torchdp/graphed_replicas.h)."""
 
 from __future__ import annotations
 
@@ -33,10 +23,8 @@ _TENSOR = object()  # a tensor's place among the leaves
 
 
 def _install(module: nn.Module, copy: nn.Module, tensors: dict[int, torch.Tensor], j: int) -> None:
-    """Makes ``copy`` (replica j) hold ``tensors[id(t)]`` wherever ``module`` holds its parameter
-    or buffer ``t``: registered, and in plain attributes that alias them (``self.w =
-    self.linear.weight``), directly or in containers. The copy's own replicate-made tensors
-    become the new ones too, so no alias keeps a tensor the graphs do not see."""
+    """Makes ``copy`` (replica j) hold ``tensors[id(t)]`` wherever ``module`` holds its tensor
+    ``t``, registered or aliased in plain attributes, so no alias keeps a tensor the graphs miss."""
     originals, copies = list(module.modules()), list(copy.modules())
     if len(originals) != len(copies):
         raise RuntimeError(
@@ -88,8 +76,7 @@ def _plain_attributes(module: nn.Module) -> list[str]:
 
 
 def _refuse_unregistered_leaves(network: nn.Module) -> None:
-    """A plain attribute holding a leaf that requires grad but is not a registered parameter
-    would get no gradient from the captured backward: refused, naming it."""
+    """Refuses unregistered leaves that require grad: the captured backward gives them none."""
     registered = {id(p) for p in network.parameters()}
     for name, module in network.named_modules():
 
@@ -113,8 +100,7 @@ def _refuse_unregistered_leaves(network: nn.Module) -> None:
 
 
 def _check_output(out: Any, j: int, device: torch.device) -> list[Any]:
-    """The leaves of replica j's output; objects that pytree does not look into are refused (a
-    replay would hand back the object of the capture, with the capture's tensors)."""
+    """The leaves of replica j's output; refuses objects that pytree leaves whole (no replay)."""
     leaves, spec = tree_flatten(out)
     for leaf in leaves:
         if not isinstance(leaf, (torch.Tensor, *_CONSTANT_TYPES)):
@@ -143,7 +129,7 @@ class GraphedReplicas:
     ):
         self.module = module
         self.devices = list(devices)
-        self.stale_attributes = stale_attributes  # applied when the replicas are built
+        self.stale_attributes = stale_attributes
         self._steps = _C.GraphedSteps(self.devices, max_signatures, _API)
         self._layout: tuple[Any, ...] | None = None
         self._replicas: list[nn.Module] = []
@@ -155,8 +141,7 @@ class GraphedReplicas:
 
     @staticmethod
     def _current_layout(modules: list[nn.Module]) -> tuple[Any, ...]:
-        # Checked before every forward, so one direct pass over the modules' dictionaries: which
-        # modules, which tensors, and where and in what shape each lives.
+        # Checked before every forward (a change rebuilds): one pass over the modules' dicts.
         key: list[Any] = []
         for m in modules:
             key.append(id(m))

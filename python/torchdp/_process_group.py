@@ -1,12 +1,5 @@
-"""Gradient averaging across processes for ``torchdp.DataParallel(process_group=...)``.
-
-The engine is C++ (``torchdp._C.ProcessGroupSync``, the one the C++ ``DataParallel`` uses; see
-Note [Reducing across processes] in csrc/torchdp/process_group.cpp): it checks that the processes
-wrap the same module, takes group rank 0's parameters and buffers, hooks the outputs and averages
-the gradients once per backward pass. What stays here is Python's part: checking the group
-object, walking the Python module (its parameters, buffers and sparse embeddings) and finding the
-tensors inside a forward's output.
-"""
+"""Gradient averaging across processes (``DataParallel(process_group=...)``), the Python side of
+``_C.ProcessGroupSync`` (Note [Reducing across processes] in csrc/torchdp/process_group.cpp)."""
 
 from __future__ import annotations
 
@@ -88,8 +81,7 @@ def _sparse_flags(module: nn.Module, params: list[torch.Tensor]) -> list[bool]:
 
 
 def _tensors_in(obj: Any) -> list[torch.Tensor]:
-    """The tensors inside a forward's output (lists, tuples, dicts and their subclasses,
-    dataclasses and pytree-registered types, as deep as they go)."""
+    """The tensors in a forward's output: in containers, dataclasses and pytree types, any depth."""
     found: list[torch.Tensor] = []
     seen: set[int] = set()
 

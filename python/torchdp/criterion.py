@@ -1,13 +1,4 @@
-"""``torchdp.DataParallelCriterion``: the loss computed on each replica's device, for memory
-balance.
-
-With ``torchdp.DataParallel(model, gather_output=False)`` the forward returns one output per
-replica, each on its own device, instead of concatenating them on ``output_device``. The
-criterion wrapper then splits the targets the way the inputs were split (``torch.chunk`` along
-``dim``), computes the loss of every replica on that replica's device, and combines the per-replica
-losses on one device: only scalars travel, so GPU 0 never holds the whole batch's outputs (for a
-language model with a large vocabulary, the logits are most of the memory).
-"""
+"""``torchdp.DataParallelCriterion``: each replica's loss on its device, so only scalars travel."""
 
 from __future__ import annotations
 
@@ -32,40 +23,32 @@ _REDUCTIONS = ("mean", "batchmean", "sum", "none")
 
 
 class DataParallelCriterion(nn.Module):
-    r"""Computes a loss per replica, on the replica's device, from the per-replica outputs of
-    ``torchdp.DataParallel(..., gather_output=False)``, and combines the losses on one device.
+    r"""Computes the loss of each replica on its device from the per-replica outputs of
+    ``torchdp.DataParallel(..., gather_output=False)`` and combines the losses on one device.
 
-    The targets (positional and keyword arguments after ``outputs``) are split like the inputs
-    of :class:`torchdp.DataParallel` (``torch.chunk`` along :attr:`dim`, one chunk per output) and
-    each chunk is moved to its output's device. ``criterion(output_i, *targets_i, **kwargs_i)``
-    runs on every device; a criterion that is an ``nn.Module`` with parameters or buffers (class
-    weights, ...) is replicated there first. The per-replica losses are combined on
-    :attr:`output_device`:
+    The targets (the arguments after ``outputs``) are split like the inputs, with ``torch.chunk``
+    along :attr:`dim`, and moved to their outputs' devices, where
+    ``criterion(output_i, *targets_i, **kwargs_i)`` runs (a module criterion with parameters or
+    buffers is replicated first). The losses are combined on :attr:`output_device`:
 
-    * ``"mean"``: the whole batch's mean. For ``nn.CrossEntropyLoss`` and ``nn.NLLLoss`` with
-      class-index targets, whose mean divides by the targets' total class weight (targets equal
-      to ``ignore_index`` weigh nothing), each replica computes its weighted sum and its total
-      weight, and the result is the sum of the first over the sum of the second (a replica whose
-      targets are all ignored adds nothing). Any other criterion's means are averaged weighted
-      by the number of samples of each chunk (counted on the first target tensor, positional or
-      keyword, else on the output), which is the batch mean when every sample weighs the same
-      in it; ``"batchmean"`` (``nn.KLDivLoss``) is combined the same way, which gives the whole
-      batch's value. An empty batch gives NaN, as the criterion does;
+    * ``"mean"``: the whole batch's mean. ``nn.CrossEntropyLoss`` and ``nn.NLLLoss`` with
+      class-index targets divide the summed weighted losses by the summed class weights
+      (``ignore_index`` weighs nothing); other criteria, and ``"batchmean"``, weigh each
+      replica's value by its sample count (of the first target tensor, else the output). An
+      empty batch gives NaN, as the criterion does;
     * ``"sum"``: the sum;
     * ``"none"``: the per-sample losses concatenated along :attr:`dim`.
 
     Args:
         criterion (callable): the loss, e.g. ``nn.CrossEntropyLoss()``.
-        output_device (int, str or torch.device, optional): where the combined loss goes
-            (default: the device of the first output).
-        dim (int): the dimension the batch was split along (the ``dim`` of the DataParallel).
-            Default: ``0``.
+        output_device (int, str or torch.device, optional): where the combined loss goes.
+            Default: the first output's device.
+        dim (int): the dimension the batch was split along. Default: ``0``.
         reduction (str, keyword-only, optional): ``"mean"``, ``"batchmean"``, ``"sum"`` or
-            ``"none"``; by default the criterion's own ``reduction`` attribute, else ``"mean"``.
+            ``"none"``. Default: the criterion's ``reduction`` attribute, else ``"mean"``.
         check_targets (bool, keyword-only, optional): refuse target chunks whose size along
-            :attr:`dim` differs from their output's (a target batch of another size than the
-            inputs'). Turn it off for outputs whose batch dimension is flattened with another one
-            (``logits.view(-1, vocab)`` with targets of shape ``(batch, seq)``). Default: ``True``.
+            :attr:`dim` differs from their output's. Turn it off for outputs whose batch
+            dimension is flattened (``logits.view(-1, vocab)``). Default: ``True``.
 
     Example::
 
@@ -186,7 +169,6 @@ class DataParallelCriterion(nn.Module):
                 else:
                     losses.append(compute(crit, out, tgt, kw))
         if weighted:
-            # The whole batch's weighted mean: the replicas' weighted sums over their weights.
             total = torch.stack([loss.to(destination) for loss, _ in losses]).sum()
             weight = torch.stack([w.to(destination) for _, w in losses]).sum()
             return total / weight
@@ -220,9 +202,7 @@ def _check_target_sizes(
     split_kwargs: Sequence[dict[str, Any]],
     dim: int,
 ) -> None:
-    """Each replica's target chunks must have as many samples along ``dim`` as its output: the
-    chunks of a target with another batch size than the inputs' would otherwise be paired with the
-    wrong samples (and weigh the mean wrongly) without any error."""
+    """Refuses target chunks whose size along ``dim`` differs from their output's (misaligned)."""
     for i, (out, tgt, kw) in enumerate(zip(outputs, split_targets, split_kwargs, strict=True)):
         o = get_a_var(out)
         if o is None or o.dim() <= dim:
@@ -246,10 +226,8 @@ def _size_along(output: Any, dim: int) -> int | None:
 
 
 def _weighted_mean_applies(crit: Any, output: Any, targets: tuple[Any, ...], kwargs: Any) -> bool:
-    """nn.CrossEntropyLoss and nn.NLLLoss with class-index targets: their "mean" divides by the
-    targets' total class weight (ignore_index counting none), not by the number of samples, so
-    the replicas' means cannot be combined by chunk size (with class weights or ignored targets
-    that gives another value, and a chunk with every target ignored gives NaN)."""
+    """CrossEntropyLoss/NLLLoss with class-index targets: their "mean" divides by the total class
+    weight, not the sample count, so chunk-size weighting would be wrong (NaN if all ignored)."""
     if type(crit) not in (nn.CrossEntropyLoss, nn.NLLLoss) or crit.reduction != "mean":
         return False
     if kwargs or len(targets) != 1 or not isinstance(output, torch.Tensor):
@@ -261,8 +239,7 @@ def _weighted_mean_applies(crit: Any, output: Any, targets: tuple[Any, ...], kwa
 def _weighted_sum(
     crit: Any, output: torch.Tensor, targets: tuple[Any, ...], kwargs: Any
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the sum of one replica's weighted losses, the sum of their weights), for the criteria of
-    _weighted_mean_applies; the whole batch's mean is the sum of the first over the second."""
+    """(sum of one replica's weighted losses, sum of their weights) for _weighted_mean_applies."""
     (t,) = targets
     if type(crit) is nn.CrossEntropyLoss:
         total = F.cross_entropy(
@@ -286,8 +263,7 @@ def _weighted_sum(
 
 
 def _batch_size(targets: tuple[Any, ...], kwargs: dict[str, Any], output: Any, dim: int) -> int:
-    """The number of samples of one chunk: from its first target tensor (positional, then
-    keyword), else its output."""
+    """A chunk's sample count: of its first target tensor (positional, then keyword) or output."""
     t = get_a_var(targets) if targets else None
     if t is None and kwargs:
         t = get_a_var(kwargs)

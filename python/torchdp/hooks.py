@@ -1,16 +1,4 @@
-"""Post-replicate hooks for Python modules.
-
-A post-replicate hook repairs per-device state that :func:`torchdp.replicate` cannot know about
-(tensors kept outside registered parameters and buffers, caches derived from a buffer, lists of
-tensors, ...). Hooks are registered for a module class (instances of subclasses included) or for
-one module instance, and run after every replica exists, replica 0 first::
-
-    hook(replica, original, device, replica_index, ctx)
-
-``ctx`` is a :class:`ReplicaContext` shared by all copies of one module position during one
-replicate call, so the master copy (index 0) can leave state for the copies on the other
-devices, as in the Synchronized-BatchNorm ``__data_parallel_replicate__`` convention.
-"""
+"""Post-replicate hooks: per-device repairs of the state :func:`torchdp.replicate` does not copy."""
 
 from __future__ import annotations
 
@@ -60,8 +48,7 @@ class _Entry:
 
     def __init__(self, hook_id: int, hook: Callable[..., Any], target: Any) -> None:
         self.id = hook_id
-        # A method of the target module itself is held weakly: held strongly it would keep the
-        # module alive, and the hook would never go away with it.
+        # A method of the target itself is held weakly, or it would keep its module alive.
         self._hook: Callable[..., Any] | None = hook
         self._method_ref: weakref.WeakMethod | None = None
         if not isinstance(target, type) and getattr(hook, "__self__", None) is target:
@@ -94,11 +81,10 @@ class _Entry:
         return self.target_ref() is module
 
 
-# Re-entrant: an instance hook's weakref callback (below) may run on a thread that holds the lock
-# already, when a garbage collection or the release of a removed entry frees its module.
+# Re-entrant: an instance hook's weakref callback may fire (GC) on a thread already holding it.
 _lock = threading.RLock()
 _ids = itertools.count(1)
-# Registration order is the call order; dicts keep insertion order.
+# Registration order is the call order.
 _registry: dict[int, _Entry] = {}
 
 
@@ -107,7 +93,6 @@ def _no_op(*_args: Any) -> None:
 
 
 def _forget(hook_id: int) -> Callable[[Any], None]:
-    # Instance hooks go away with their module (the registry holds only a weak reference).
     def callback(_ref: Any) -> None:
         with _lock:
             _registry.pop(hook_id, None)
@@ -125,9 +110,9 @@ def _hook_name(hook: Callable[..., Any]) -> str:
 class PostReplicateHookHandle:
     r"""Handle returned by :func:`register_post_replicate_hook`.
 
-    ``remove()`` unregisters the hook (calling it again does nothing). The handle is also a
-    context manager that removes the hook on exit. Dropping the handle does *not* remove the
-    hook, as with :class:`torch.utils.hooks.RemovableHandle`.
+    ``remove()`` unregisters the hook (idempotent); as a context manager the handle removes it on
+    exit. Dropping the handle does *not* remove the hook, as with
+    :class:`torch.utils.hooks.RemovableHandle`.
 
     Example::
 
@@ -166,18 +151,17 @@ def register_post_replicate_hook(
 ) -> PostReplicateHookHandle:
     r"""Registers a hook that runs on every replica of matching modules after replication.
 
-    The hook is called as ``hook(replica, original, device, replica_index, ctx)`` once per replica
-    of every module that matches :attr:`target`, after all replicas exist, replica 0 first, hooks
-    in registration order. ``ctx`` (a :class:`ReplicaContext`) is shared by the copies of one
-    module position. The return value is ignored. A hook that raises aborts the replication with a
-    ``RuntimeError`` naming the hook, the module path and the replica, chained from the original
-    exception. After the hooks, every replica's registered parameters and buffers are checked to
-    be on the replica's device.
+    The hook runs once per replica of every module matching :attr:`target`, after all replicas
+    exist: replica 0 first, hooks in registration order; its return value is ignored. A hook
+    that raises aborts the replication with a ``RuntimeError`` naming the hook, the module path
+    and the replica, chained from the original exception. Afterwards every replica's parameters
+    and buffers are checked to be on its device.
 
     Args:
         target (type or nn.Module): an ``nn.Module`` subclass (matches instances of it and of its
             subclasses) or one module instance (matches that module only; held weakly).
-        hook (callable): ``hook(replica, original, device, replica_index, ctx) -> None``.
+        hook (callable): ``hook(replica, original, device, replica_index, ctx) -> None``;
+            ``ctx`` (a :class:`ReplicaContext`) is shared by the copies of one module position.
 
     Returns:
         :class:`PostReplicateHookHandle`: ``remove()`` unregisters; usable as a context manager.

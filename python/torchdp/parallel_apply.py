@@ -1,12 +1,4 @@
-"""Running replicas in parallel, as ``torch.nn.parallel.parallel_apply``.
-
-The replicas run on torchdp's persistent C++ workers (``torchdp._C.parallel_apply``): one worker
-per replica (replica 0 on the calling thread), each with its device current, the caller's current
-stream for that device, and the caller's grad mode and full autocast state (enabled flags, dtypes,
-cache). The GIL is released while the caller waits. Ctrl-C still works while it waits: the
-KeyboardInterrupt is raised at once, as with torch.nn.parallel's threads, and replicas that are
-still running (a hung forward) finish in the background with their results dropped.
-"""
+"""Running replicas in parallel on C++ workers, as ``torch.nn.parallel.parallel_apply``."""
 
 from __future__ import annotations
 
@@ -27,10 +19,8 @@ _API = "torchdp.parallel_apply"
 
 
 def record_function(name: str) -> contextlib.AbstractContextManager[Any]:
-    """A profiler range named ``name`` while the autograd profiler runs, else nothing.
-
-    Entering torch's record_function is a torch op (it costs microseconds per step, and a daemon
-    thread that enters it while the interpreter exits is ended with std::terminate)."""
+    """A profiler range named ``name`` while the autograd profiler runs, else nothing: entering
+    one is a torch op (microseconds; std::terminate in a daemon thread at interpreter exit)."""
     if torch._C._autograd._profiler_enabled():
         return torch.autograd.profiler.record_function(name)
     return contextlib.nullcontext()
@@ -77,8 +67,7 @@ def _replica_call(
 
 
 def _default_device(input: Any) -> torch.device:
-    # PyTorch uses the current device of the accelerator. Without CUDA, torchdp uses the device of
-    # the replica's first input tensor (the CPU when there is none) instead of failing.
+    # As PyTorch, the current CUDA device; without CUDA the input's device, not a failure.
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     found = get_a_var(input)
@@ -98,27 +87,23 @@ def parallel_apply(
     r"""Applies each module to its input in parallel, each on its device.
 
     Same contract as :func:`torch.nn.parallel.parallel_apply`: :attr:`modules`, :attr:`inputs`,
-    :attr:`kwargs_tup` (if given) and :attr:`devices` (if given) must have the same length; an
-    input that is a list or tuple is the positional arguments, anything else is the only
-    argument. Grad mode and autocast state are carried into the workers. If replicas raise, the
-    exception of the lowest replica index is re-raised in the caller as
-    ``Caught <type> in replica <i> on device <d>.`` followed by the original traceback, with the
-    original exception type where possible (``torch._utils.ExceptionWrapper``).
+    :attr:`kwargs_tup` and :attr:`devices` (if given) have the same length; a list or tuple input
+    is the positional arguments, anything else the only argument. Each module runs with its
+    device current and the caller's stream, grad mode and autocast state. The lowest failing
+    replica's exception is re-raised as ``Caught <type> in replica <i> on device <d>.`` with the
+    original traceback and, where possible, type. Ctrl-C raises ``KeyboardInterrupt`` at once;
+    replicas still running finish in the background, their results dropped.
 
     Args:
         modules (list of Module): the replicas.
         inputs (list): one input (or tuple of positional arguments) per module.
         kwargs_tup (list of dict, optional): keyword arguments per module. Default: none.
-        devices (list of int or torch.device, optional): the device of each module; ints are CUDA
-            indices. Default: the current CUDA device for every module (without CUDA, the device of
-            each input's first tensor, else the CPU).
-        serial (bool, keyword-only): run the modules one after the other on the calling thread
-            (each with its device current) instead of on parallel workers. Python forwards made
-            of many small operations run faster this way: parallel workers hand the GIL back and
-            forth at every operation. Same results and errors (a KeyboardInterrupt stops at
-            the replica it reached; the later ones do not run). Modules that wait for each other
-            (cross-replica synchronisation inside the forward) need the parallel workers.
-            Default: ``False``.
+        devices (list of int or torch.device, optional): each module's device; ints are CUDA
+            indices. Default: the current CUDA device, else the input's first tensor's or the CPU.
+        serial (bool, keyword-only): run the modules in order on the calling thread, each with
+            its device current: faster for Python forwards of many small operations, where
+            workers trade the GIL at each one. Same results and errors (Ctrl-C skips the later
+            replicas); modules that wait for each other need the workers. Default: ``False``.
 
     Returns:
         list: the output of each module, in order.

@@ -38,8 +38,7 @@ _next_id = 0
 
 
 def _module(name: str) -> ModuleType:
-    # importlib, not attribute access: torch.nn.parallel.replicate (the attribute) is the
-    # function, which shadows the submodule of the same name.
+    # importlib: the attribute torch.nn.parallel.replicate is the function, not the submodule.
     return importlib.import_module(name)
 
 
@@ -50,8 +49,7 @@ def _replacement(name: str) -> Any:
 
 
 def _apply() -> None:
-    # All or nothing: the targets are looked up first, so that a name missing from this torch
-    # release raises before anything is replaced.
+    # All or nothing: a name missing from this torch release raises before anything is replaced.
     found = []
     for module_name, attribute, ours in _TARGETS:
         module = _module(module_name)
@@ -79,9 +77,8 @@ def _restore() -> None:
 class TorchPatch:
     r"""Handle returned by :func:`patch_torch`.
 
-    :meth:`undo` (alias :meth:`remove`) takes this handle's patch back; PyTorch's originals are
-    restored once every handle has been undone. Idempotent. Also a context manager.
-    """
+    :meth:`undo` (alias :meth:`remove`, idempotent) takes this handle's patch back; PyTorch's
+    originals return once every handle is undone. Also a context manager."""
 
     __slots__ = ("_id",)
 
@@ -117,21 +114,16 @@ class TorchPatch:
 def patch_torch() -> TorchPatch:
     r"""Makes ``torch.nn.DataParallel`` and ``torch.nn.parallel``'s functions torchdp's.
 
-    Replaces ``torch.nn.DataParallel``, ``torch.nn.parallel.{DataParallel, data_parallel,
-    replicate, scatter, gather, parallel_apply}`` and the same names in the submodules
-    ``torch.nn.parallel.scatter_gather`` (``scatter``, ``scatter_kwargs``, ``gather``),
-    ``torch.nn.parallel.replicate``, ``torch.nn.parallel.parallel_apply`` and
-    ``torch.nn.parallel.data_parallel`` (``DataParallel``, ``data_parallel``, ``replicate``,
-    ``scatter_kwargs``, ``gather``, ``parallel_apply``), so code that looks these names up at call
-    time uses torchdp. Names bound earlier with ``from torch.nn.parallel import ...`` keep
-    PyTorch's objects. Calling it again while a patch is active sets the names to torchdp's
-    again (also a name another library replaced in between) and returns another handle; the
-    objects the first call found come back when every handle has been undone. While it is
-    active, ``torch.nn.DataParallel`` is torchdp's class: instances of PyTorch's own class (made
-    before, or by code that kept its own reference) are not instances of it, and pickle cannot
-    save them by name (undo the patch first); names bound and subclasses defined while it is active
-    keep torchdp's class after the undo. If a name is missing from this torch release nothing is
-    replaced.
+    Replaces ``DataParallel``, ``data_parallel``, ``replicate``, ``scatter``, ``scatter_kwargs``,
+    ``gather`` and ``parallel_apply`` wherever ``torch.nn``, ``torch.nn.parallel`` and its
+    submodules ``scatter_gather``, ``replicate``, ``parallel_apply`` and ``data_parallel`` define
+    them, so code that looks them up at call time uses torchdp; names bound earlier with
+    ``from torch.nn.parallel import ...`` keep PyTorch's objects. If a name is missing from this
+    torch release, nothing is replaced. Calling it again re-applies the patch and returns another
+    handle; the objects the first call found return once every handle is undone. While active,
+    instances of PyTorch's own class are not instances of ``torch.nn.DataParallel`` and pickle
+    cannot save them by name (undo the patch first); names bound and subclasses defined
+    meanwhile keep torchdp's class after the undo.
 
     Returns:
         :class:`TorchPatch`: ``undo()`` / ``remove()`` restores; usable as a context manager.

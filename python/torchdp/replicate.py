@@ -1,27 +1,5 @@
-"""Replication of Python modules, as ``torch.nn.parallel.replicate``, plus hooks and callbacks.
-
-The copies are built in C++ by ``torchdp._C.replicate`` (PyTorch's algorithm: one
-``_replicate_for_data_parallel()`` copy per module and device, children -> parameters -> buffers
-wired through ``setattr``, parameters broadcast differentiably unless detached, buffers
-differentiably only when they require grad, device-0 storage shared with the original, and a
-direct-placement fallback when a custom ``__setattr__`` swallows an assignment). For modules whose
-class keeps ``nn.Module``'s ``__new__``, ``__setattr__`` and ``_replicate_for_data_parallel``, the
-same replica is built with direct dictionary operations instead of those Python calls, which makes
-replication several times faster than ``torch.nn.parallel.replicate``. :func:`replicate` builds new
-replicas at every call; ``torchdp.DataParallel`` keeps its replicas between forwards and refills
-them at each one (``_C.ReplicaCache``, Note [Kept replicas] in ``csrc/python/replicate_cache.cpp``),
-so either way every change to the module shows up in the next replicas. This module then
-runs, in order:
-
-1. the registered post-replicate hooks (:mod:`torchdp.hooks`),
-2. the ``__data_parallel_replicate__(ctx, copy_id)`` callbacks of modules that define them (the
-   Synchronized-BatchNorm convention, so SyncBN works without ``DataParallelWithCallback``),
-3. the replica device check (``torchdp._C.check_replica_devices``), when hooks or callbacks ran or
-   a module was built with ``setattr`` (replicas made only with dictionary operations hold the
-   copies made for their device),
-4. with ``stale_attributes=``, the check of plain attributes still referring to the source
-   device's tensors and modules (:mod:`torchdp._attributes`).
-"""
+"""Replication of Python modules, as ``torch.nn.parallel.replicate``, plus hooks and callbacks;
+``DataParallel`` refills kept ones (Note [Kept replicas] in ``csrc/python/replicate_cache.cpp``)."""
 
 from __future__ import annotations
 
@@ -45,8 +23,7 @@ _API = "torchdp.replicate"
 
 
 class CallbackContext:
-    """The context object of ``__data_parallel_replicate__`` callbacks: an empty namespace, one per
-    module position, shared by the copies of that module (as in Synchronized-BatchNorm)."""
+    """The ctx of ``__data_parallel_replicate__`` callbacks: one per module position (as SyncBN)."""
 
 
 def _module_paths(network: nn.Module) -> dict[int, str]:
@@ -69,8 +46,7 @@ def _run_post_replicate_hooks(
         ReplicaContext(paths.get(id(m), ""), devices) if entries else None
         for m, entries in zip(modules, hooks, strict=True)
     ]
-    # Replica-major, master copy first; within a replica in module order; hooks in registration
-    # order (the same order as the C++ registry).
+    # Replica-major, master copy first, then module order, then registration order (as in C++).
     for j, device in enumerate(devices):
         for p, entries in enumerate(hooks):
             for entry in entries:
@@ -87,15 +63,11 @@ def _run_post_replicate_hooks(
 
 
 def _run_replication_callbacks(copies: list[list[nn.Module]]) -> bool:
-    # Synchronized-BatchNorm's execute_replication_callbacks: one ctx per module position, shared
-    # by all copies; the master copy (copy_id 0) of every module first, then replica 1, ...
-    # False when no module has a callback.
+    # Synchronized-BatchNorm's execute_replication_callbacks: one ctx per module position, the
+    # master copy (copy_id 0) of every module first. False when no module has a callback.
     if not copies:
         return False
-    # One attribute lookup per class, not per module (hasattr on a missing class attribute is
-    # slow, and models have hundreds of modules of a few classes).
-    # A callback set on an instance counts too (Synchronized-BatchNorm's loop uses hasattr on each
-    # module); a dictionary lookup per module finds those.
+    # hasattr once per class (slow when missing); a dict lookup per module finds instance ones.
     with_callback = {
         cls for cls in {type(m) for m in copies[0]} if hasattr(cls, "__data_parallel_replicate__")
     }
@@ -113,8 +85,7 @@ def _run_replication_callbacks(copies: list[list[nn.Module]]) -> bool:
             try:
                 module.__data_parallel_replicate__(contexts[p], copy_id)
             except Exception as e:
-                # The exception keeps its type (SyncBN code may catch it); the note (Python >=
-                # 3.11) says where it came from.
+                # Keeps its type (SyncBN code may catch it); the note (Python >= 3.11) says where.
                 if hasattr(e, "add_note"):
                     path = _module_paths(copies[0][0]).get(id(copies[0][p]), "") or "<root>"
                     e.add_note(
@@ -142,8 +113,7 @@ def _bucket_bytes(bucket_cap_mb: float | None, api: str) -> int | None:
             f"{api}: bucket_cap_mb must be a non-negative number of MiB (0: one bucket, reduced "
             f"after the whole backward pass), got {bucket_cap_mb!r}"
         )
-    # The range check and the conversion are the C++ DataParallel's (sizes beyond any device's
-    # memory are clamped, within int64).
+    # The C++ DataParallel's check and conversion (huge sizes are clamped, within int64).
     return _C.bucket_bytes_from_mib(float(bucket_cap_mb), api)
 
 
@@ -157,14 +127,12 @@ def replicate(
 ) -> list[T]:
     r"""Replicates a module on each device, as :func:`torch.nn.parallel.replicate`.
 
-    Each replica is built with ``module._replicate_for_data_parallel()`` for every submodule;
-    its parameters are copies on the replica's device (non-leaf tensors whose gradients flow back
-    to the original parameters, unless :attr:`detach`), its buffers are copies (differentiable only
-    when they require grad), and replica 0 shares storage with :attr:`network` when
-    ``devices[0]`` is the network's device. Shared submodules and parameters stay shared inside
-    each replica. Registered post-replicate hooks and ``__data_parallel_replicate__`` callbacks
-    run next, then every registered parameter and buffer of every replica is checked to be on its
-    replica's device.
+    Each submodule is copied with ``_replicate_for_data_parallel()``. Parameters are copies on
+    the replica's device whose gradients flow back to the originals (unless :attr:`detach`),
+    buffers are copies (differentiable only when they require grad); replica 0 shares storage
+    with :attr:`network` on the network's device, and shared submodules and parameters stay
+    shared within a replica. Post-replicate hooks and ``__data_parallel_replicate__`` callbacks
+    run next, then every replica's parameters and buffers are checked to be on its device.
 
     Args:
         network (Module): the module to replicate; its parameters and buffers must be on
@@ -172,15 +140,14 @@ def replicate(
         devices (list of int or torch.device): one device per replica; ints are CUDA indices;
             CPU and meta devices are accepted and may repeat.
         detach (bool, optional): replicate without autograd history. Default: ``False``.
-        bucket_cap_mb (float, keyword-only, optional): size in MiB of the gradient buckets that
-            are reduced while the backward pass runs (as DDP's ``bucket_cap_mb``; ``0``: one
-            bucket, reduced at the end). Default: 25.
-        stale_attributes (str, keyword-only, optional): what to do, after the hooks, with plain
-            (unregistered) attributes of the replicas on other devices than ``devices[0]`` that
-            still hold tensors on ``devices[0]`` or the network's own modules, directly or in
-            lists, tuples and dicts: ``'move'`` gives each replica its own copies, ``'warn'``
-            warns once per class and attribute, ``'error'`` raises. Default: ``None``, PyTorch's
-            behaviour (shared by reference, unchecked).
+        bucket_cap_mb (float, keyword-only, optional): size in MiB of the gradient buckets
+            reduced during the backward pass, as DDP's (``0``: one bucket, at the end).
+            Default: 25.
+        stale_attributes (str, keyword-only, optional): what to do with plain attributes of the
+            replicas on other devices that, after the hooks, still hold tensors on ``devices[0]``
+            or the network's modules (also in lists, tuples and dicts): ``'move'`` gives each
+            replica its own copies, ``'warn'`` warns once per class and attribute, ``'error'``
+            raises. Default: ``None``, unchecked as in PyTorch.
 
     Returns:
         list of Module: the root replica for each device.
@@ -195,21 +162,20 @@ def replicate(
     return _replicate(network, devices, bool(detach), bucket_cap_mb, stale_attributes, None, _API)
 
 
-# Note [Buffers of failed forwards] (csrc/torchdp/replicate.h): a forward of DataParallel or
-# data_parallel announces its module here before it replicates; the replicate call for that module
-# leaves the copy of the module's buffers it took (before any hook ran) for the forward to pick up.
+# Note [Buffers of failed forwards] (csrc/torchdp/replicate.h): a forward announces its module
+# here; that module's replicate call leaves it the buffer copy it took before the hooks.
 _FORWARD_BUFFERS = threading.local()
 
 
 def _expect_buffer_snapshot(network: nn.Module) -> None:
-    """Called by a forward before it replicates ``network`` (see _FORWARD_BUFFERS)."""
+    """Called by a forward before it replicates ``network``."""
     _FORWARD_BUFFERS.network = network
     _FORWARD_BUFFERS.snapshot = None
 
 
 def _buffer_snapshot(network: nn.Module, fallback: bool) -> _C.BufferSnapshot | None:
-    """The copy of ``network``'s buffers that its replicate call left; when none did (a
-    ``replicate`` override that builds replicas its own way), a copy taken now if ``fallback``."""
+    """The buffer copy ``network``'s replicate call left; without one (a ``replicate`` override),
+    a copy taken now if ``fallback``."""
     snapshot = None
     if getattr(_FORWARD_BUFFERS, "network", None) is network:
         snapshot = _FORWARD_BUFFERS.snapshot
@@ -228,17 +194,16 @@ def _replicate(
     cache: _C.ReplicaCache | None,
     api: str,
 ) -> list[T]:
-    """:func:`replicate` after its argument checks; with ``cache``, the replicas are that
-    ``ReplicaCache``'s (lent until its ``park()``; Note [Kept replicas] in
-    ``csrc/python/replicate_cache.cpp``)."""
+    """:func:`replicate` after its checks; with ``cache``, its replicas (lent until ``park()``;
+    Note [Kept replicas] in ``csrc/python/replicate_cache.cpp``)."""
     if not devices:
         return []
     device_list = _to_devices(devices, api)
     bucket_bytes = _bucket_bytes(bucket_cap_mb, api)
     copies: list[list[nn.Module]]
     wanted = getattr(_FORWARD_BUFFERS, "network", None) is network
-    # Hooks and callbacks may change replica 0's buffers in place, which are the network's: a
-    # failing one leaves them as they were (Note [Buffers of failed forwards]).
+    # Replica 0's buffers are the network's: a failing hook or callback's changes are undone
+    # (Note [Buffers of failed forwards]).
     buffers = None
     if cache is None:
         if wanted or _has_hooks():
@@ -253,9 +218,7 @@ def _replicate(
             list(network.modules()), copies, device_list, network
         )
         called = _run_replication_callbacks(copies)
-        # Replicas built with dictionary operations hold exactly the copies made for their
-        # device; only hooks and callbacks (and the setattr way of building) can leave a tensor
-        # elsewhere.
+        # Only hooks, callbacks and setattr-built replicas can leave a tensor on another device.
         if hooked or called or not plain_only:
             _C.check_replica_devices(copies, device_list, api)
         if stale_attributes is not None:

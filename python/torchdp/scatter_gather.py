@@ -1,9 +1,4 @@
-"""Scatter and gather of nested inputs and outputs, as ``torch.nn.parallel.scatter_gather``.
-
-Tensors travel through ``torchdp._C.scatter`` / ``torchdp._C.gather``, which are differentiable C++
-autograd nodes that also work on CPU and meta device lists. The structure around them (tuples,
-lists, dicts, named tuples, anything else by reference) is handled here with PyTorch's rules.
-"""
+"""Scatter and gather of nested inputs and outputs, as ``torch.nn.parallel.scatter_gather``."""
 
 from __future__ import annotations
 
@@ -23,20 +18,12 @@ from torchdp._devices import DeviceLike, _check_dim, _to_device, _to_devices
 
 __all__ = ["scatter", "scatter_kwargs", "gather"]
 
-# ---------------------------------------------------------------------------------------------
-# Structure helpers
-# ---------------------------------------------------------------------------------------------
-
-
 def _is_namedtuple(obj: Any) -> bool:
-    # collections.namedtuple and typing.NamedTuple instances.
     return isinstance(obj, tuple) and hasattr(obj, "_asdict") and hasattr(obj, "_fields")
 
 
 def _rebuild_dict(like: dict[Any, Any], pairs: Any, api: str) -> dict[Any, Any]:
-    """A dict of ``like``'s type holding ``pairs``. Subclasses whose constructor takes other
-    arguments (``defaultdict``'s factory, ``Counter``'s counting) are rebuilt from a shallow copy
-    of ``like``, which keeps their attributes."""
+    """A dict of ``like``'s type holding ``pairs``; subclasses via a shallow copy (other ctors)."""
     if type(like) is dict or type(like) is collections.OrderedDict:
         return type(like)(pairs)
     try:
@@ -69,16 +56,13 @@ def _scatter_map(obj: Any, devices: list[torch.device], dim: int) -> Any:
         return [_rebuild_dict(obj, pairs, "torchdp.scatter") for pairs in zip(*parts, strict=False)]
     node = _pytree.SUPPORTED_NODES.get(type(obj))
     if node is not None and not isinstance(obj, (dict, list, tuple)):
-        # A type registered with torch.utils._pytree (register_dataclass, ...): split field by
-        # field and rebuilt per chunk, as gather takes such outputs apart. PyTorch passes it whole
-        # to every replica; with gather's rebuild that would give every replica the whole batch
-        # and concatenate n copies of the result.
+        # Split field by field, as gather takes it apart: PyTorch passes it whole to every
+        # replica, so the gathered result would hold n copies.
         children, context = node.flatten_fn(obj)
         if children:
             parts = [_scatter_map(child, devices, dim) for child in children]
             return [node.unflatten_fn(list(group), context) for group in zip(*parts, strict=False)]
-    # Everything else (None, numbers, strings, empty containers, unregistered dataclasses, custom
-    # objects): the same object, by reference, for every device.
+    # Anything else (None, numbers, strings, empty containers, other objects): by reference.
     return [obj for _ in devices]
 
 
@@ -99,13 +83,11 @@ def scatter(inputs: Any, target_gpus: Sequence[DeviceLike], dim: int = 0) -> Any
     r"""Slices tensors into approximately equal chunks and distributes them across devices.
 
     Same rules as :func:`torch.nn.parallel.scatter`: tensors are split with ``torch.chunk``
-    semantics along :attr:`dim` (so there may be fewer chunks than devices), tuples, lists, dicts
-    (dict subclasses are rebuilt with ``type(obj)(pairs)``) and named tuples are rebuilt per chunk,
-    ``zip`` truncates to the shortest branch, and every other object is passed to each device by
-    reference. Unlike PyTorch, types registered with ``torch.utils._pytree``
-    (``register_dataclass``, ...) are split field by field and rebuilt per chunk, as
-    :func:`gather` takes them apart. The split is differentiable: the gradient of each chunk
-    flows back to the input.
+    semantics along :attr:`dim` (so there may be fewer chunks than devices); tuples, lists, dicts
+    (keeping their type) and named tuples are rebuilt per chunk, ``zip`` truncating to the
+    shortest branch; other objects go to every device by reference. Unlike PyTorch, types
+    registered with ``torch.utils._pytree`` (``register_dataclass``, ...) are split field by
+    field, as :func:`gather` takes them apart. The split is differentiable.
 
     Args:
         inputs (Any): a tensor or a nested structure holding tensors.
@@ -114,8 +96,7 @@ def scatter(inputs: Any, target_gpus: Sequence[DeviceLike], dim: int = 0) -> Any
         dim (int, optional): the dimension to split along. Default: ``0``.
 
     Returns:
-        A tuple of chunks for a tensor input, otherwise a list with one rebuilt structure per
-        chunk.
+        A tuple of chunks for a tensor input, else a list of one rebuilt structure per chunk.
 
     Example::
 
@@ -135,10 +116,9 @@ def scatter_kwargs(
 ) -> tuple[tuple[Any, ...], tuple[dict[str, Any], ...]]:
     r"""Scatters positional and keyword arguments, as :func:`torch.nn.parallel.scatter_kwargs`.
 
-    Positional arguments and keyword arguments are scattered separately with :func:`scatter`;
-    the shorter side is padded with ``()`` (positional) or ``{}`` (keywords). As in PyTorch, the
-    keyword side is only padded when it has fewer chunks than there are positional *arguments*
-    (``len(inputs)``), not chunks.
+    Both are scattered with :func:`scatter` and the shorter side is padded with ``()`` or
+    ``{}``; as in PyTorch, the keyword side only when it has fewer chunks than ``len(inputs)``
+    (the number of positional arguments, not of their chunks).
 
     Args:
         inputs (tuple): the positional arguments.
@@ -151,8 +131,7 @@ def scatter_kwargs(
 
     Example::
 
-        >>> args, kws = torchdp.scatter_kwargs((torch.randn(4, 2),), {"scale": 2.0},
-        ...                                    [torch.device("cpu")] * 2)
+        >>> args, kws = torchdp.scatter_kwargs((torch.randn(4, 2),), {"scale": 2.0}, ["cpu"] * 2)
         >>> len(args), kws[1]["scale"]
         (2, 2.0)
     """
@@ -161,7 +140,7 @@ def scatter_kwargs(
     if len(scattered_inputs) < len(scattered_kwargs):
         scattered_inputs.extend(() for _ in range(len(scattered_kwargs) - len(scattered_inputs)))
     elif len(scattered_kwargs) < len(inputs):
-        # PyTorch's comparison against len(inputs) (the number of positional arguments), kept.
+        # PyTorch's comparison against len(inputs), not the chunk count, kept.
         scattered_kwargs.extend({} for _ in range(len(scattered_inputs) - len(scattered_kwargs)))
     return tuple(scattered_inputs), tuple(scattered_kwargs)
 
@@ -221,8 +200,7 @@ def _gather_map(outputs: Sequence[Any], target: _GatherTarget, dim: int) -> Any:
         target.used = True
         return _C.gather(list(outputs), target.device, dim, True)
     for i, other in enumerate(outputs):
-        # PyTorch returns None for a None in output 0 and iterates a tensor where output 0 holds
-        # a sequence: the other replicas' tensors would be dropped or cut into rows.
+        # PyTorch would drop these tensors (None in output 0) or cut them into rows (a sequence).
         if isinstance(other, torch.Tensor):
             raise TypeError(
                 f"torchdp.gather: output 0 holds {type(out).__qualname__} where output {i} holds "
@@ -231,9 +209,7 @@ def _gather_map(outputs: Sequence[Any], target: _GatherTarget, dim: int) -> Any:
     if out is None:
         return None
     if isinstance(out, GATHER_CONSTANTS):
-        # A constant (a tag, a flag, a number): the value itself when every replica returned an
-        # equal one. PyTorch fails here with "'float' object is not iterable", or turns strings
-        # into the text of a map object.
+        # Equal constants pass through; PyTorch fails or turns strings into a map object's text.
         if all(type(o) is type(out) and _same_constant(o, out) for o in outputs):
             return out
         raise TypeError(
@@ -244,8 +220,7 @@ def _gather_map(outputs: Sequence[Any], target: _GatherTarget, dim: int) -> Any:
         )
     node = _pytree.SUPPORTED_NODES.get(type(out))
     if node is not None and not isinstance(out, (dict, list, tuple)):
-        # A type registered with torch.utils._pytree (register_dataclass, model-output classes):
-        # its children are gathered one by one and the object is rebuilt from them.
+        # A pytree-registered type: its children are gathered and the object rebuilt from them.
         flat = [node.flatten_fn(o) if type(o) is type(out) else None for o in outputs]
         if any(f is None or f[1] != flat[0][1] for f in flat):
             raise TypeError(
@@ -255,9 +230,7 @@ def _gather_map(outputs: Sequence[Any], target: _GatherTarget, dim: int) -> Any:
         children = [_gather_map(group, target, dim) for group in zip(*(f[0] for f in flat))]
         return node.unflatten_fn(children, flat[0][1])
     if not hasattr(out, "__iter__"):
-        # Any other object (a dataclass, a model-output class): comparing such objects says
-        # nothing about the tensors inside them, and replica 0's object would silently drop the
-        # others' tensors (and their gradients). PyTorch fails here too.
+        # Replica 0's object would silently drop the others' tensors; PyTorch fails here too.
         raise TypeError(
             f"torchdp.gather: a replica output holds a {type(out).__module__}."
             f"{type(out).__qualname__} object, which gather cannot take apart; return tensors, "
@@ -287,8 +260,7 @@ def _gather_map(outputs: Sequence[Any], target: _GatherTarget, dim: int) -> Any:
             "torchdp.gather",
         )
     if hasattr(out, "__next__") or isinstance(out, (set, frozenset)):
-        # A generator or iterator (consumed by taking it apart), or a set (no order to pair the
-        # replicas' items by).
+        # Iterators are consumed by taking them apart; sets have no order to pair items by.
         raise TypeError(
             f"torchdp.gather: a replica output is a {type(out).__qualname__}, which gather cannot "
             "pair item by item across replicas; return a tuple or list instead (e.g. "
@@ -317,16 +289,14 @@ def _gather_map(outputs: Sequence[Any], target: _GatherTarget, dim: int) -> Any:
 def gather(outputs: Any, target_device: DeviceLike, dim: int = 0) -> Any:
     r"""Gathers per-device outputs onto one device, as :func:`torch.nn.parallel.gather`.
 
-    Tensors are concatenated along :attr:`dim` (differentiably); 0-dim tensors gathered along
-    dim 0 become a vector, with PyTorch's UserWarning. ``None`` stays ``None``; dicts must have the
-    same number of keys (``ValueError`` otherwise) and keep their type; named tuples are rebuilt
-    with ``_make``; other sequences with ``type(out)(...)``.
+    Tensors are concatenated along :attr:`dim` (differentiably); 0-dim tensors along dim 0
+    become a vector, with PyTorch's UserWarning. ``None`` stays ``None``; dicts must have the same
+    keys (``ValueError`` otherwise) and keep their type; sequences keep theirs.
 
     Args:
         outputs (sequence): one output structure per device.
-        target_device (int, str or torch.device): where to put the result. ``'cpu'`` (or
-            ``torch.device('cpu')``) for the CPU; ``-1`` also means the CPU but is deprecated
-            (FutureWarning), as in PyTorch.
+        target_device (int, str or torch.device): where to put the result; ``'cpu'`` for the
+            CPU (``-1`` too, deprecated with a FutureWarning as in PyTorch).
         dim (int, optional): the dimension to concatenate along. Default: ``0``.
 
     Returns:

@@ -1,5 +1,4 @@
-// The differentiable broadcast of autograd.h: its backward reduces the gradients in buckets, each as
-// soon as its gradients exist (Note [Gradient buckets and reduction streams]).
+// The differentiable broadcast of autograd.h (Note [Gradient buckets and reduction streams]).
 #include <torchdp/autograd.h>
 #include <torchdp/autograd/nodes.h>
 #include <torchdp/devices.h>
@@ -30,39 +29,24 @@ using namespace internal;
 namespace {
 
 // Note [Gradient buckets and reduction streams]
-// Why: the reduce-add of a broadcast's gradients should overlap the rest of the backward pass, as
-// DDP's buckets do. A differentiable broadcast gives its outputs one BroadcastBackward node per
-// bucket of consecutive tensors taken from the end of the list (the last parameters get their
-// gradients first), about grad_bucket_size() bytes each, the first at most 1 MiB. The engine runs a
-// bucket node once every replica's gradients of that bucket exist; bucket and join nodes take the
-// highest sequence number (kRunWhenReady), as AccumulateGrad does, or each device's ready queue
-// would run them only after that device's part of the backward.
-// Invariants:
-//   * every bucket's sums go to one BroadcastJoin, which passes them to the original tensors'
-//     gradient edges and gives zeros for buckets that never ran, as a single reduction would;
-//   * when every device is a CUDA device the reduction runs on one side stream per device. The
-//     input slots are registered on the forward streams, where the gradients are produced, so the
-//     engine makes only the node's own stream (the source device's forward stream) wait for them.
-//     The node makes every side stream wait on an event of that stream (and, for engines without
-//     InputBuffer::ready_events, for each other device's current stream), records the incoming
-//     gradients on the side streams and the sums on the forward stream; the join makes the forward
-//     stream wait for the source device's side stream before passing the sums on, so the forward
-//     streams never wait for a reduction before the join;
-//   * CPU and meta devices use their one stream: the buckets still split the work, in order.
+// Gradients reduce in buckets taken from the end of the list (the first at most 1 MiB), so the
+// reduce-add overlaps the backward, as in DDP. Bucket and join nodes take kRunWhenReady, as
+// AccumulateGrad does, or each device's ready queue would defer them. One BroadcastJoin passes the
+// sums on, with zeros for buckets that never ran. On all-CUDA lists each device reduces on a side
+// stream that waits for the node's stream; the join makes the source's forward stream wait for its
+// side stream, so no forward stream waits on a reduction before the join.
 
 // The sequence number that makes the engine run a node before any other ready node of its device.
 constexpr uint64_t kRunWhenReady = std::numeric_limits<uint64_t>::max();
 
 thread_local std::optional<size_t> bucket_size_override;
 
-// Bytes of `mib` MiB; sizes beyond any device's memory (they mean "one bucket after the first
-// 1 MiB") are clamped to 2^62 instead of overflowing the conversion.
+// Bytes of `mib` MiB, clamped to 2^62 so that huge sizes do not overflow the conversion.
 size_t mib_to_bytes(double mib) {
   constexpr double kMaxBytes = static_cast<double>(uint64_t{1} << 62);
   return static_cast<size_t>(std::min(mib * 1024 * 1024, kMaxBytes));
 }
 
-// The reduction stream of a CUDA device (null for other devices, and when overlap is off).
 std::optional<c10::Stream> reduction_stream(c10::Device device) {
   if (!device.is_cuda()) {
     return std::nullopt;
@@ -78,9 +62,8 @@ std::optional<c10::Stream> reduction_stream(c10::Device device) {
   return it->second;
 }
 
-// Keeps `t`'s memory from reuse until the work queued so far on `stream` is done (the caching
-// allocator knows only the stream a block was allocated on). Sparse tensors have no storage of
-// their own: their indices and values are recorded.
+// Keeps `t`'s memory from reuse until `stream`'s queued work is done (the caching allocator knows
+// only the allocation stream). Sparse tensors record their indices and values instead.
 void record_on(const at::Tensor& t, const c10::Stream& stream) {
   if (!t.defined() || !t.device().is_cuda()) {
     return;
@@ -90,7 +73,7 @@ void record_on(const at::Tensor& t, const c10::Stream& stream) {
     record_on(t._values(), stream);
     return;
   }
-  if (at::sparse_csr::is_sparse_compressed(t)) { // CSR, CSC, BSR, BSC
+  if (at::sparse_csr::is_sparse_compressed(t)) {
     const auto [compressed, plain] = at::sparse_csr::getCompressedPlainIndices(t);
     record_on(compressed, stream);
     record_on(plain, stream);
@@ -103,11 +86,8 @@ void record_on(const at::Tensor& t, const c10::Stream& stream) {
   }
 }
 
-// Whether the engine itself orders a node after every gradient it receives, whatever the device
-// that produced it: newer releases record a ready event per input (InputBuffer::ready_events) on
-// the producer's stream and make the node's stream wait for each before running the node. Older
-// ones made no wait across devices and left it to the node (Note [Gradient buckets and reduction
-// streams]).
+// PyTorch quirk: older engines, without InputBuffer::ready_events, leave waits across devices to
+// the node (Note [Gradient buckets and reduction streams]).
 template <typename T, typename = void>
 struct WaitsForEveryInput : std::false_type {};
 template <typename T>
@@ -115,7 +95,6 @@ struct WaitsForEveryInput<T, std::void_t<decltype(std::declval<T&>().ready_event
     : std::true_type {};
 constexpr bool kEngineWaitsAcrossDevices = WaitsForEveryInput<torch::autograd::InputBuffer>::value;
 
-// Makes `waiter` wait for the work queued on `done` so far (nothing when they are one stream).
 void stream_waits_for(const c10::Stream& waiter, const c10::Stream& done) {
   if (waiter != done) {
     c10::Event event(done.device_type());
@@ -124,7 +103,6 @@ void stream_waits_for(const c10::Stream& waiter, const c10::Stream& done) {
   }
 }
 
-// The current stream of `device` on this thread.
 c10::Stream current_stream(c10::Device device) {
   return c10::impl::VirtualGuardImpl(device.type()).getStream(device);
 }
@@ -160,10 +138,8 @@ std::vector<std::vector<size_t>> gradient_buckets(at::TensorList tensors, size_t
   return buckets;
 }
 
-// Where the buckets' sums meet: one slot per broadcast tensor, one edge to each tensor's own
-// gradient edge. A bucket whose copies took no part in the forward never runs, so its slots stay
-// empty and get zeros here, as a single reduction would give them (a parameter that needs a
-// gradient gets zeros when unused, as with torch.nn.DataParallel's Broadcast).
+// Where the buckets' sums meet, one slot per tensor. Buckets that never ran leave their slots empty
+// and get zeros, as with torch.nn.DataParallel's single reduction.
 struct BroadcastJoin : Node {
   BroadcastJoin(c10::Device source, std::optional<c10::Stream> source_side_stream)
       : Node(kRunWhenReady), source_(source), source_side_stream_(source_side_stream) {}
@@ -207,8 +183,7 @@ struct BroadcastBackward : Node {
   }
 
   variable_list apply(variable_list&& grads) override {
-    // Like a Python autograd.Function with materialized gradients: a slot that received nothing
-    // counts as zeros, so every input that needs a gradient gets one (zeros when unused).
+    // As in an autograd.Function with materialized gradients, an empty slot counts as zeros.
     const size_t n = devices_.size();
     std::vector<size_t> wanted;
     for (const auto k : c10::irange(num_inputs_)) {
@@ -220,9 +195,8 @@ struct BroadcastBackward : Node {
     if (wanted.empty()) {
       return result;
     }
-    // Every device's reduction stream current, after waiting for the gradients of its device
-    // (Note [Gradient buckets and reduction streams]). The node's own stream, current on the
-    // source device now, is the forward stream where the sums will be consumed.
+    // The node's stream is the source's forward stream, where the sums are consumed; the reduction
+    // streams wait for it (Note [Gradient buckets and reduction streams]).
     std::optional<c10::Stream> node_stream;
     if (side_streams_[0]) {
       node_stream = current_stream(source_);
@@ -230,8 +204,7 @@ struct BroadcastBackward : Node {
     } else {
       order_current_streams();
     }
-    // Each stream once: a device listed twice (two replicas on one GPU) would make the guard
-    // restore that device's stream to the side stream itself.
+    // Each stream once: a device listed twice would make the guard restore it to the side stream.
     std::vector<c10::Stream> side;
     for (const auto& stream : side_streams_) {
       if (stream && std::find(side.begin(), side.end(), *stream) == side.end()) {
@@ -263,11 +236,8 @@ struct BroadcastBackward : Node {
     return result;
   }
 
-  // Without side streams (one bucket, or a device list that is not all CUDA) the reduction runs
-  // on each device's current stream of this thread, the default stream for the other devices;
-  // the engine made only the node's stream wait for the gradients, which the replicas may have
-  // produced on other streams (a caller's stream of their device): the other CUDA devices'
-  // current streams wait for the node's stream, which covers them.
+  // Without side streams the reduction runs on each device's current stream. The engine made only
+  // the node's stream wait for the gradients, so the other CUDA devices' streams wait for it.
   void order_current_streams() const {
     if (!source_.is_cuda()) {
       return;
@@ -286,8 +256,7 @@ struct BroadcastBackward : Node {
     }
   }
 
-  // Makes every side stream wait for the gradients of the bucket: the engine only made the
-  // node's stream wait for them.
+  // Side streams wait for the node's stream, the only one the engine made wait for the gradients.
   void order_side_streams(const c10::Stream& node_stream) const {
     c10::Event all_ready(source_.type());
     all_ready.record(node_stream);
@@ -296,9 +265,7 @@ struct BroadcastBackward : Node {
       if (kEngineWaitsAcrossDevices || stream->device() == source_) {
         continue;
       }
-      // An engine that leaves cross-device order to the node: wait for everything the other
-      // device has queued so far, which includes its gradients of this bucket (and possibly
-      // more of its backward pass, so the reduction may start later than it could).
+      // An older engine: wait for all the other device has queued, its gradients included.
       stream_waits_for(*stream, current_stream(stream->device()));
     }
   }
@@ -319,8 +286,7 @@ std::vector<std::vector<at::Tensor>> broadcast_coalesced(at::TensorList tensors,
   const auto devices = normalize_devices(devices_in, "torchdp::autograd::broadcast_coalesced");
   auto outputs = comm::broadcast_coalesced(tensors, devices, buffer_size);
   const detail::ProfilerRange range("torchdp.broadcast.autograd");
-  // Outputs for devices[0] are the inputs themselves: give each a tensor of its own that shares
-  // storage and version counter, so it can carry this node's history.
+  // devices[0]'s outputs: new tensors sharing the inputs' storage and version counter, for history.
   for (const auto k : c10::irange(tensors.size())) {
     auto alias = tensors[k].variable_data();
     torch::autograd::impl::set_version_counter(alias,
@@ -334,8 +300,7 @@ std::vector<std::vector<at::Tensor>> broadcast_coalesced(at::TensorList tensors,
   const size_t bucket_size = grad_bucket_size();
   const auto source = detail::canonical(tensors[0].device());
   std::vector<std::optional<c10::Stream>> side(devices.size());
-  // Side streams only when every device is a CUDA device: a list that mixes device types (cpu and
-  // cuda) reduces on the current streams, in order.
+  // Side streams only when every device is CUDA; mixed lists reduce on the current streams.
   const bool all_cuda = std::all_of(devices.begin(), devices.end(), [](const c10::Device& d) {
     return d.is_cuda();
   });
@@ -350,9 +315,8 @@ std::vector<std::vector<at::Tensor>> broadcast_coalesced(at::TensorList tensors,
   for (const auto& t : tensors) {
     join->add_input_metadata(t); // on the forward's current stream, where gradients are consumed
   }
-  // A bucket reduces in one piece: split into buffer_size chunks (10 MiB by default, less than a
-  // 25 MiB bucket), every chunk would cost its own packing copies and reduction launch on the
-  // device thread that runs the node, which also launches that device's backward kernels.
+  // A bucket reduces in one piece: each buffer_size chunk would cost packing copies and a launch on
+  // the device thread that also launches that device's backward kernels.
   const size_t reduce_buffer_size =
       bucket_size > 0 ? std::max(buffer_size, bucket_size) : buffer_size;
   for (const auto& bucket : buckets) {

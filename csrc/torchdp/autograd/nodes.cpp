@@ -1,5 +1,4 @@
-// The differentiable scatter, gather and reduce-add of autograd.h, as autograd nodes; the
-// broadcast and its gradient buckets are in buckets.cpp.
+// The differentiable scatter, gather and reduce-add of autograd.h; the broadcast is in buckets.cpp.
 #include <torchdp/autograd.h>
 #include <torchdp/autograd/nodes.h>
 #include <torchdp/devices.h>
@@ -18,15 +17,11 @@ using namespace internal;
 namespace {
 
 // Note [Scatter chunks of inputs that require grad]
-// comm::scatter leaves the chunks that stay on the input's device as views of it (no copy). When
-// the input requires grad those chunks would carry ScatterBackward's history while sharing the
-// input's storage and version counter, a view autograd does not know about: an in-place op in a
-// replica's forward (x.sub_(m), nn.ReLU(inplace=True) first) would overwrite the caller's tensor
-// unseen, even a leaf that requires grad, and bump the counter the other chunks' saved tensors
-// check, so that backward fails with a version error the plain module does not give. Such chunks
-// are therefore copied (one device-local copy of 1/n of the input, only when the input requires
-// grad; PyTorch's Scatter makes the same in-place op an error instead). Inputs that do not require
-// grad keep view chunks, as in PyTorch.
+// comm::scatter leaves chunks on the input's device as views of it. With history of their own they
+// would be views autograd does not know: an in-place op in a replica's forward would write into
+// the caller's tensor unseen and bump the version counter the other chunks' saved tensors check.
+// Such chunks are copied when the input requires grad (PyTorch's Scatter makes that in-place op an
+// error instead); otherwise they stay views, as in PyTorch.
 
 struct ReduceAddBackward : Node {
   ReduceAddBackward(c10::Device destination, std::vector<c10::Device> devices, size_t num_inputs,
@@ -58,8 +53,7 @@ struct ReduceAddBackward : Node {
     if (wanted.empty()) {
       return result;
     }
-    // The gradient lives on the destination, which need not be one of the devices: broadcast from
-    // it to [destination, devices...] and drop its own copy.
+    // Broadcast from the destination (maybe none of the devices), then drop the destination's copy.
     std::vector<c10::Device> targets;
     targets.reserve(n + 1);
     targets.push_back(destination_);
@@ -170,11 +164,7 @@ std::vector<at::Tensor> scatter(const at::Tensor& input, const std::vector<c10::
   auto node = make_node<ScatterBackward>(detail::canonical(input.device()), wrapped);
   node->set_next_edges(edges_of({input}));
   for (auto& chunk : chunks) {
-    // Chunks that stayed on the input's device are views of it that autograd would not know as
-    // views (they carry this node's history): an in-place op in a replica's forward would then
-    // write into the caller's tensor unseen (a leaf that requires grad included) and bump the
-    // version counter the other chunks share. They get storage of their own instead, as the
-    // chunks copied to other devices have (Note [Scatter chunks of inputs that require grad]).
+    // Views of the input are copied (Note [Scatter chunks of inputs that require grad]).
     if (chunk.is_alias_of(input)) {
       at::NoGradGuard no_grad;
       chunk = chunk.clone();

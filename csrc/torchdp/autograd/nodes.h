@@ -1,7 +1,6 @@
 #pragma once
 
-// What the autograd nodes of nodes.cpp (scatter, gather, reduce-add) and buckets.cpp
-// (the broadcast's gradient buckets) share. Internal: not part of the public API.
+// What the autograd nodes of nodes.cpp and buckets.cpp share. Internal, not public API.
 #include <ATen/core/Tensor.h>
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/function.h>
@@ -18,15 +17,12 @@ using torch::autograd::Node;
 using torch::autograd::variable_list;
 
 // Note [History of comm outputs]
-// The forward of every node below runs the detached comm operation, then gives each output the
-// node as grad_fn. Every output is registered as an input of the node (add_input_metadata), also
-// the ones whose input does not require grad, so that gradient slot numbers are fixed
-// (j * num_inputs + k for broadcast); those outputs simply get no gradient edge and their slot
-// always receives an undefined gradient. Next edges are collected over all inputs; inputs that do
-// not require grad give invalid edges, which the engine skips.
+// Each node's forward runs the detached comm operation, then makes the node its outputs' grad_fn.
+// Every output is registered as a node input, also those whose input needs no grad, so gradient
+// slot numbers stay fixed (j * num_inputs + k for broadcast); such slots get no gradient edge and
+// always receive an undefined gradient.
 
-// Autograd nodes are held by std::shared_ptr in older torch releases and by c10::intrusive_ptr in
-// newer ones; Edge::function tells which.
+// PyTorch quirk: nodes are held by std::shared_ptr in older releases, c10::intrusive_ptr in newer.
 using NodePtr = decltype(torch::autograd::Edge::function);
 
 template <typename T, typename... Args>
@@ -67,7 +63,6 @@ inline torch::autograd::edge_list edges_of(at::TensorList tensors) {
   return edges;
 }
 
-// A gradient slot that received nothing counts as zeros.
 inline at::Tensor grad_or_zeros(const Node& node, const variable_list& grads, size_t i) {
   return grads[i].defined() ? grads[i] : node.input_metadata(i).zeros_like();
 }

@@ -18,11 +18,10 @@ namespace torchdp::comm {
 namespace {
 
 // Note [Coalesced buckets]
-// Dense tensors are packed, in their order, into flat one-dimensional buckets of one dtype and at
-// most `buffer_size` bytes (a tensor larger than that gets a bucket of its own). A bucket moves
-// with one copy (or one NCCL call) per device instead of one per tensor; the outputs are views into
-// the flat copy, each re-wrapped with variable_data() so that it has its own version counter, as
-// torch.cuda.comm does (NOTE [Version Counter in comm.*_coalesced] there).
+// Dense tensors are packed, in order, into flat buckets of one dtype and at most `buffer_size`
+// bytes, so a bucket moves with one copy (or NCCL call) per device. Each output is a view into
+// the flat copy with its own version counter, as in torch.cuda.comm
+// (NOTE [Version Counter in comm.*_coalesced] there).
 struct Bucket {
   std::vector<size_t> indices;
   size_t bytes = 0;
@@ -59,10 +58,8 @@ std::vector<Bucket> make_buckets(const std::vector<at::Tensor>& tensors, size_t 
   return done;
 }
 
-// A contiguous tensor of `sizes` at element `offset` of `flat`'s storage, built directly (one
-// TensorImpl, no dispatcher call): the many small views of a bucket cost microseconds each through
-// narrow() + view() + variable_data(). It has its own version counter and no autograd history,
-// like variable_data().
+// A contiguous view of `sizes` at `offset` in `flat`'s storage with its own version counter and no
+// history, like variable_data(), built without dispatcher calls since buckets hold many views.
 at::Tensor view_into(const at::Tensor& flat, int64_t offset, c10::IntArrayRef sizes) {
   auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(flat.storage()), flat.key_set(),
                                                    flat.dtype());
@@ -71,10 +68,8 @@ at::Tensor view_into(const at::Tensor& flat, int64_t offset, c10::IntArrayRef si
   return at::Tensor(std::move(impl));
 }
 
-// `t` with its lazy conjugate and negative bits materialised (itself when it has none): transports
-// that copy bytes (NCCL) must not send the bytes of a conj() or neg() view.
-// The bit checks come first: the per-tensor dispatcher calls of resolve_conj()/resolve_neg() add up
-// over the hundreds of parameters of a broadcast.
+// `t` with lazy conj/neg bits materialised, since byte transports (NCCL) must not send a view's
+// raw bytes. The bit checks skip the dispatcher for the common case.
 at::Tensor resolved(const at::Tensor& t) {
   if (!t.is_conj() && !t.is_neg()) {
     return t;
@@ -82,12 +77,10 @@ at::Tensor resolved(const at::Tensor& t) {
   return t.resolve_conj().resolve_neg();
 }
 
-// One flat contiguous copy of the bucket's tensors. `fresh` tells whether the result owns new
-// storage (false when it is a view of the only input, which must then not be written).
+// One flat contiguous copy of a bucket; `fresh` is false when it views the only input (read-only).
 at::Tensor flatten(const std::vector<at::Tensor>& tensors, const Bucket& bucket, bool& fresh) {
   if (bucket.indices.size() == 1) {
     const auto& t = tensors[bucket.indices[0]];
-    // Its bytes are sent as they are: a lazy conjugate or negation is materialised first.
     auto flat = resolved(t).contiguous().view({-1});
     fresh = !flat.is_alias_of(t);
     return flat;
@@ -123,10 +116,9 @@ void unflatten_into(const at::Tensor& flat, const std::vector<at::Tensor>& like,
 
 #if TORCHDP_WITH_NCCL
 // Note [Direct NCCL broadcast]
-// Over NCCL, broadcast_coalesced sends every tensor from where it lives, all in one NCCL group,
-// into views of one fresh buffer per bucket and target device. Flattening each bucket into a
-// staging buffer on the source first would cost a copy of every tensor on the source GPU and a
-// group per bucket.
+// Over NCCL, every tensor is sent from where it lives, in one NCCL group, into views of one fresh
+// buffer per bucket and target device; staging flat buckets on the source would cost an extra copy
+// of every tensor and a group per bucket.
 void broadcast_direct(const std::vector<at::Tensor>& inputs, const std::vector<Bucket>& buckets,
                       const std::vector<c10::Device>& devices,
                       std::vector<std::vector<at::Tensor>>& outputs) {
@@ -152,8 +144,7 @@ void broadcast_direct(const std::vector<at::Tensor>& inputs, const std::vector<B
 }
 #endif
 
-// Copies into CUDA memory are queued on the destination's current stream; a copy into host memory
-// must be complete when it returns, since the caller reads it on the CPU.
+// CUDA copies queue on the destination's current stream; host copies block, as the CPU reads them.
 bool non_blocking_to(c10::Device device) {
   return device.is_cuda();
 }
@@ -166,8 +157,7 @@ at::Tensor move_to(const at::Tensor& t, c10::Device device) {
   return t.to(device, non_blocking_to(device));
 }
 
-// Quantized tensors carry their quantizer outside the storage: byte copies and flat buffers would
-// make tensors without one.
+// Quantized tensors keep their quantizer outside the storage, which byte copies would lose.
 void check_not_quantized(const at::Tensor& t, const char* api, const char* what, size_t i) {
   TORCH_CHECK(!t.is_quantized(), api, ": ", what, " ", i, " is a quantized tensor (",
               t.scalar_type(),
@@ -213,14 +203,13 @@ std::vector<std::vector<at::Tensor>> broadcast_coalesced(at::TensorList tensors,
 #if TORCHDP_WITH_NCCL
   if (nccl::usable(devices)) {
     broadcast_direct(inputs, buckets, devices, outputs);
-    buckets.clear(); // all sent
+    buckets.clear();
   }
 #endif
   for (const auto& bucket : buckets) {
     bool fresh = false;
     const auto flat = flatten(inputs, bucket, fresh);
-    // A target on the source's own device (replicas sharing a device, CPU device lists) takes the
-    // fresh flat copy itself, once, instead of a second copy of it.
+    // One target on the source's own device takes the fresh flat copy itself instead of a copy.
     bool flat_given = !fresh;
     for (size_t j = 1; j < devices.size(); ++j) {
       const bool take = !flat_given && devices[j] == detail::canonical(flat.device());

@@ -27,7 +27,6 @@ namespace {
                 " (set TORCHDP_DISABLE_NCCL=1 to use peer copies instead)");                      \
   } while (0)
 
-// Communicators per ordered device list; created once, never destroyed (see the header).
 std::vector<ncclComm_t>& communicators(const std::vector<c10::Device>& devices) {
   static std::mutex mutex;
   static auto* cache = new std::map<std::vector<int>, std::vector<ncclComm_t>>();
@@ -69,8 +68,8 @@ ncclDataType_t reduce_type(at::ScalarType t) {
   }
 }
 
-// NCCL kernels and cudaFree must not interleave (a free can block on a device that waits for the
-// collective): hold the caching allocator's free mutex while enqueuing, as torch.cuda.nccl does.
+// Holds the allocator's free mutex while enqueuing, as torch.cuda.nccl does: a cudaFree between
+// NCCL kernels can deadlock against a device waiting in the collective.
 struct GroupGuard {
   std::lock_guard<std::mutex> free_lock{*c10::cuda::getFreeMutex()};
   GroupGuard() {
@@ -158,7 +157,6 @@ void reduce(const std::vector<at::Tensor>& inputs, at::Tensor& output, size_t ro
     return;
   }
   const auto type = reduce_type(inputs[0].scalar_type());
-  // Checked before the group starts: a throw inside it would end a group that some ranks joined.
   for (const auto j : c10::irange(devices.size())) {
     TORCH_INTERNAL_ASSERT(inputs[j].is_contiguous() &&
                           static_cast<size_t>(inputs[j].numel()) == count);

@@ -5,12 +5,9 @@
 
 #include <vector>
 
-/// NCCL transport for comm.cpp. Compiled only when TORCHDP_WITH_NCCL is 1.
-///
-/// Communicators are created once per ordered set of distinct CUDA devices (ncclCommInitAll) and
-/// kept for the life of the process: destroying them at static-destruction time can hang in the
-/// driver. Collectives run on each device's current stream, so they are ordered with the compute
-/// that produced their inputs and the compute that reads their outputs.
+/// NCCL transport for comm.cpp (only when TORCHDP_WITH_NCCL is 1). Communicators, one set per
+/// device list, are never destroyed: that can hang in the driver at exit. Collectives run on each
+/// device's current stream, ordered with the compute around them.
 namespace torchdp::nccl {
 
 /// True when NCCL can serve this device list: at least two devices, all CUDA, none listed twice,
@@ -20,15 +17,13 @@ bool usable(const std::vector<c10::Device>& devices);
 /// True when `ncclReduce` supports this dtype.
 bool reduce_supports(at::ScalarType dtype);
 
-/// Broadcasts every contiguous sources[k] (on devices[0]) into destinations[j][k] (preallocated,
-/// contiguous, same number of bytes, on devices[j]; destinations[0] is not used: the root sends in
-/// place), all in one NCCL group, so no staging copy is made on the source device.
+/// Broadcasts each contiguous sources[k] on devices[0] into the preallocated contiguous
+/// destinations[j][k] of the same byte size, in one NCCL group (destinations[0] is unused).
 void broadcast_each(const std::vector<at::Tensor>& sources,
                     const std::vector<std::vector<at::Tensor>>& destinations,
                     const std::vector<c10::Device>& devices);
 
-/// Sums the contiguous inputs[j] (on devices[j], same numel and dtype) into `output` on
-/// devices[root].
+/// Sums the contiguous inputs[j] (on devices[j], same numel and dtype) into `output` on root.
 void reduce(const std::vector<at::Tensor>& inputs, at::Tensor& output, size_t root,
             const std::vector<c10::Device>& devices);
 
