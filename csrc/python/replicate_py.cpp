@@ -1,5 +1,4 @@
-// torchdp._C's replication of Python nn.Modules (csrc/python/replication.h): replicate, the
-// replica device check and the buffer snapshots, bound.
+// Bindings of the Python nn.Module replication: replicate, the device checks, buffer snapshots.
 #include "replication.h"
 
 #include <torchdp/devices.h>
@@ -141,8 +140,7 @@ void check_replica_devices(const std::vector<py::list>& copies,
   }
 }
 
-// True when every parameter and buffer of `module` is on `device`: a walk of the modules'
-// dictionaries, the per-forward path of DataParallel's placement check.
+// True when every parameter and buffer of `module` is on `device` (per-forward, so dicts only).
 bool all_on_device(py::handle module, const c10::Device& device_in) {
   const auto device = detail::canonical(device_in);
   TypeTable types;
@@ -171,8 +169,7 @@ bool all_on_device(py::handle module, const c10::Device& device_in) {
   return true;
 }
 
-// The first parameter or buffer of `module` not on `device`, as named_parameters() and
-// named_buffers() (duplicates included) list them; names are looked for only on failure.
+// The first named_parameters() / named_buffers() entry not on `device` (names only on failure).
 std::optional<std::tuple<std::string, std::string, c10::Device>> misplaced_tensor(
     py::handle module, const c10::Device& device) {
   if (all_on_device(module, device)) {
@@ -194,8 +191,7 @@ std::optional<std::tuple<std::string, std::string, c10::Device>> misplaced_tenso
 } // namespace
 
 void init_replicate(py::module_& m) {
-  // wrap_pybind_function: c10 errors become the matching Python exceptions (RuntimeError,
-  // ValueError, ...) and TORCH_WARN becomes a Python warning, as in torch's own bindings.
+  // wrap_pybind_function: torch's error and warning translation, as in torch's own bindings.
   m.def("replicate",
         torch::wrap_pybind_function([](py::object network, const std::vector<c10::Device>& devices,
                                        bool detach, std::optional<int64_t> grad_bucket_bytes,
@@ -212,7 +208,7 @@ void init_replicate(py::module_& m) {
         }),
         py::arg("network"), py::arg("devices"), py::arg("detach") = false,
         py::arg("grad_bucket_bytes") = py::none(), py::kw_only(), py::arg("report") = false,
-        R"doc(Replicates a Python nn.Module onto `devices` (see csrc/python/API.md).
+        R"doc(Replicates a Python nn.Module onto `devices` (see python/torchdp/_C.pyi).
 
 Returns one list per device with the replica of every module of list(network.modules()), in that
 order; element [j][0] is the root replica on devices[j]. Parameters are broadcast differentiably unless

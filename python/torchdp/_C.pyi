@@ -1,4 +1,6 @@
-# Type stubs for torchdp._C, the pybind11 extension (see csrc/python/API.md).
+# Type stubs and interface spec of torchdp._C, the pybind11 extension (csrc/python/*.cpp). GIL:
+# the transport functions, DataParallel's checks and ProcessGroupSync release it while C++ works,
+# parallel_apply while it waits; those walking nn.Modules hold it (replicate but for its broadcast).
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -15,6 +17,8 @@ class _TestingModule:
     """torchdp._C._testing (csrc/python/bind_testing.cpp): support for torchdp's own tests."""
 
     has_process_group: bool
+    # Trains a C++ Linear(8,32)-Tanh-Linear(32,32)-Tanh-Linear(32,4) with torchdp::DataParallel over
+    # `group`, plain SGD (no_sync() micro-batches if accumulate), GIL released; returns CPU params.
     def train_mlp(
         self,
         group: Any,
@@ -27,11 +31,14 @@ class _TestingModule:
 
 _testing: _TestingModule
 
+# RuntimeError with torchdp's message (naming `api`) for an empty list or an unusable device.
 def normalize_devices(devices: Sequence[torch.device], api: str) -> list[torch.device]: ...
 def check_forward_context(api: str) -> None: ...
 def check_output_device(
     devices: Sequence[torch.device], output: torch.device, api: str
 ) -> None: ...
+
+# differentiable=False: torchdp::comm::broadcast_coalesced; True: torchdp::autograd's.
 def broadcast_coalesced(
     tensors: Sequence[Tensor],
     devices: Sequence[torch.device],
@@ -44,6 +51,8 @@ def reduce_add_coalesced(
     buffer_size: int = 10485760,
     differentiable: bool = False,
 ) -> list[Tensor]: ...
+
+# May return fewer chunks than devices (tensor.chunk's rule without chunk_sizes).
 def scatter(
     tensor: Tensor,
     devices: Sequence[torch.device],
@@ -51,15 +60,23 @@ def scatter(
     dim: int = 0,
     differentiable: bool = True,
 ) -> list[Tensor]: ...
+
+# All-0-dim inputs along dim 0: a vector and PyTorch's UserWarning (differentiable=False raises).
 def gather(
     tensors: Sequence[Tensor],
     destination: torch.device,
     dim: int = 0,
     differentiable: bool = True,
 ) -> Tensor: ...
+
+# fns[i]() on worker i (fns[0], or all with serial=True, on the caller) with devices[i] and the
+# caller's stream/grad/autocast state; re-raises the lowest-index exception as is, Ctrl-C at once.
 def parallel_apply(
     fns: Sequence[Callable[[], object]], devices: Sequence[torch.device], serial: bool = False
 ) -> list[object]: ...
+
+# result[j][p]: replica on devices[j] of list(network.modules())[p]; plain_only: no tensor can be
+# misplaced but by hooks (run in replicate.py). RuntimeError: Python modules below a ScriptModule.
 def replicate(
     network: nn.Module,
     devices: Sequence[torch.device],
@@ -69,6 +86,8 @@ def replicate(
     report: bool = False,
 ) -> Any: ...  # list[list[nn.Module]], or (that, plain_only) with report=True
 
+# A copy of tensors (meta and expanded ones skipped) that restore() writes back, returning how
+# many; take() of the same tensors refreshes it in place (Note [Buffers of failed forwards]).
 class BufferSnapshot:
     def __init__(self) -> None: ...
     def take(self, tensors: Sequence[Tensor]) -> None: ...
@@ -76,15 +95,20 @@ class BufferSnapshot:
     def release(self) -> None: ...
     def __len__(self) -> int: ...
 
-def snapshot_buffers(network: nn.Module) -> BufferSnapshot: ...
+def snapshot_buffers(network: nn.Module) -> BufferSnapshot: ...  # network.buffers(), as walked
 
+# The CUDA-graph engine of cuda_graphs=True (Note [Graphed replicas]); RuntimeError without CUDA.
 class GraphedSteps:
     def __init__(self, devices: Sequence[torch.device], max_signatures: int, api: str) -> None: ...
+    # Per replica, the (params, buffers) to install in it.
     def rebuild(
         self, params: Sequence[Tensor], buffers: Sequence[Tensor], n: int
     ) -> list[tuple[list[Tensor], list[Tensor]]]: ...
+    # Replica j's leaves for the parameters that require grad.
     def bind(self, j: int, grad_leaves: Sequence[Tensor]) -> None: ...
+    # key + the inputs' metadata, grad mode and autocast state.
     def signature(self, key: str, inputs: Sequence[Sequence[Tensor]]) -> str: ...
+    # forward(j, tensors) runs replica j, captured; None: run eagerly. GIL released but in forward.
     def run(
         self,
         signature: str,
@@ -96,8 +120,11 @@ class GraphedSteps:
     @property
     def captures_made(self) -> int: ...
 
+# The replicas one torchdp.DataParallel keeps between forwards (Note [Kept replicas]).
 class ReplicaCache:
     def __init__(self) -> None: ...
+    # As replicate(report=True), plus reused and a snapshot of the buffers taken before the
+    # transfer; lent until park(); reuses parked replicas of the same classes, order and devices.
     def replicate(
         self,
         network: nn.Module,
@@ -105,6 +132,7 @@ class ReplicaCache:
         detach: bool = False,
         grad_bucket_bytes: int | None = None,
     ) -> tuple[list[list[nn.Module]], bool, bool, BufferSnapshot]: ...
+    # Keeps (and empties) the replicas if only the cache and they refer to them, else forgets them.
     def park(self) -> bool: ...
     def drop(self) -> None: ...
     @property
@@ -112,22 +140,27 @@ class ReplicaCache:
     @property
     def reuses(self) -> int: ...
     @property
-    def state(self) -> str: ...
+    def state(self) -> str: ...  # 'empty', 'lent' or 'parked'
 
+# DataParallel's checks, made in C++ (csrc/python/bind_data_parallel.cpp).
 def check_group_and_graphs(process_group: bool, cuda_graphs: bool, api: str) -> None: ...
 def check_cuda_graphs(devices: Sequence[torch.device], api: str) -> None: ...
 def misplaced_module_message(
     target: torch.device, kind: str, name: str, found: torch.device, fix: str
 ) -> str: ...
-def bucket_bytes_from_mib(mib: float, api: str) -> int: ...
+def bucket_bytes_from_mib(mib: float, api: str) -> int: ...  # ValueError unless finite and >= 0
 
+# The engine of DataParallel(process_group=...) (Note [Reducing across processes]).
 class ProcessGroupSync:  # only when torchdp is built with c10d
     def __init__(self, group: Any, api: str) -> None: ...
+    # Same tensors, requires_grad, dtypes and devices as last agreed.
     def agreed(self, params: Sequence[Tensor]) -> bool: ...
+    # RuntimeError unless every process holds the same module; takes rank 0's values.
     def agree(
         self, params: Sequence[Tensor], buffers: Sequence[Tensor], sparse: Sequence[bool]
     ) -> None: ...
-    def broadcast(self, tensors: Sequence[Tensor]) -> None: ...
+    def broadcast(self, tensors: Sequence[Tensor]) -> None: ...  # rank 0's values
+    # Hooks outputs so that the backward through them averages the gradients.
     def watch(self, outputs: Sequence[Tensor], bucket_bytes: int | None) -> None: ...
     @property
     def remembered_passes(self) -> int: ...
@@ -135,9 +168,13 @@ class ProcessGroupSync:  # only when torchdp is built with c10d
     @property
     def reductions(self) -> int: ...
 
+# None when every parameter and buffer is on `device`, else the first that is not, as (kind,
+# qualified name, device): DataParallel's per-forward check.
 def misplaced_tensor(
     module: nn.Module, device: torch.device
 ) -> tuple[str, str, torch.device] | None: ...
+
+# RuntimeError naming the first registered tensor of the tree at copies[j][0] not on devices[j].
 def check_replica_devices(
     copies: Sequence[list[nn.Module]],
     devices: Sequence[torch.device],

@@ -1,5 +1,6 @@
-"""Smoke tests of the core section of torchdp._C (csrc/python/bind_core.cpp, see API.md) on CPU
-device lists: runtime queries, the comm/autograd transport, parallel_apply and error translation."""
+"""Smoke tests of the core section of torchdp._C (csrc/python/bind_core.cpp, python/torchdp/_C.pyi)
+on CPU device lists: runtime queries, the comm/autograd transport, parallel_apply and error
+translation."""
 
 from __future__ import annotations
 
