@@ -372,9 +372,8 @@ def assert_gpu_bound_buckets_ordered(
     (and every bucket's reduction) long before the GPUs have run them, so the reductions must wait
     for the gradients on their side streams, and the current stream for the sums before anything
     reads them: with ``set_to_none=False`` they are accumulated in place into the existing .grad
-    during the backward pass; with ``True`` they become .grad without being read, the wait deferred
-    to the pass's last bucket (Note [Delivering bucket sums directly]), and are copied on the
-    current stream as soon as backward() returns. Gradients are compared with one device's over three attempts."""
+    during the backward pass; with ``True`` the pass sets .grad. Gradients are compared with one
+    device's over three attempts."""
     import torchdp
 
     torch.manual_seed(0)
