@@ -1,8 +1,5 @@
-// The checks of DataParallel's options and module (csrc/torchdp/data_parallel.h, namespace
-// detail), for the Python wrapper: made once in C++ for both front ends. Python keeps only what
-// is Python-specific (argument types, walking a Python module for a misplaced tensor's name).
-// Also the CUDA-graph engine, GraphedSteps (csrc/torchdp/graphed_replicas.h), which
-// python/torchdp/_graphs.py drives over Python replicas.
+// DataParallel's checks (data_parallel.h, detail) and the CUDA-graph engine GraphedSteps, for the
+// Python wrapper.
 
 #include "bindings.h"
 
@@ -33,6 +30,14 @@ void init_data_parallel(py::module_& m) {
         py::arg("devices"), py::arg("api"),
         "ValueError unless every device is a CUDA device; RuntimeError when this build cannot "
         "capture CUDA graphs.");
+  m.def("check_chunks",
+        without_gil([](const std::vector<std::pair<std::string, int64_t>>& sizes, size_t chunks,
+                       size_t n, int64_t dim, const std::string& api) {
+          detail::check_chunks(sizes, chunks, n, dim, api.c_str());
+        }),
+        py::arg("sizes"), py::arg("chunks"), py::arg("n"), py::arg("dim"), py::arg("api"),
+        "ValueError when the scatter's chunks, fewer than the n devices, drop rows of a longer "
+        "tensor; sizes: (name, size along dim) of the tensors split.");
   m.def("misplaced_module_message",
         without_gil([](const c10::Device& target, const std::string& kind, const std::string& name,
                        const c10::Device& found, const std::string& fix) {
@@ -46,9 +51,7 @@ void init_data_parallel(py::module_& m) {
         py::arg("mib"), py::arg("api"),
         "Bytes of a gradient bucket of ``mib`` MiB; ValueError unless finite and >= 0.");
 
-  // Without the GIL, as torch.autograd.grad runs (a custom Python autograd.Function in the model
-  // needs it on the engine's device threads); the forward callback takes it (pybind11's
-  // std::function wrapper does).
+  // run() releases the GIL, as torch.autograd.grad does; the forward callback takes it back.
   using detail::GraphedSteps;
   py::class_<GraphedSteps>(m, "GraphedSteps",
                            "The CUDA-graph engine of cuda_graphs=True, over tensors (Note "

@@ -33,6 +33,38 @@ void check_cuda_graphs(const std::vector<c10::Device>& devices, const char* api)
               "this build has none. Turn cuda_graphs off");
 }
 
+namespace {
+// How many chunks torch.chunk makes of `size` rows for `n` devices.
+size_t chunk_count(int64_t size, size_t n) {
+  if (size <= 0) {
+    return 1;
+  }
+  const auto devices = static_cast<int64_t>(n);
+  const int64_t step = (size + devices - 1) / devices;
+  return static_cast<size_t>((size + step - 1) / step);
+}
+} // namespace
+
+void check_chunks(const std::vector<std::pair<std::string, int64_t>>& sizes, size_t chunks,
+                  size_t n, int64_t dim, const char* api) {
+  if (chunks >= n || sizes.empty()) {
+    return;
+  }
+  const auto fewer = [n](const auto& a, const auto& b) {
+    return chunk_count(a.second, n) < chunk_count(b.second, n);
+  };
+  const auto& longest = *std::max_element(sizes.begin(), sizes.end(), fewer);
+  const auto& shortest = *std::min_element(sizes.begin(), sizes.end(), fewer);
+  TORCH_CHECK_VALUE(chunk_count(longest.second, n) <= chunks, api,
+                    ": the input tensors have different sizes along dim ", dim, ": ",
+                    longest.first, " has ", longest.second, " but ", shortest.first, " has ",
+                    shortest.second, ", which splits into only ",
+                    chunk_count(shortest.second, n), " chunk(s) for ", n,
+                    " devices; the extra rows of the longer tensors would be dropped. Give every "
+                    "tensor the batch size along that dim, or pass the shorter one in another "
+                    "form (a buffer of the module, or a Python list)");
+}
+
 std::string misplaced_module_message(c10::Device target, const std::string& kind,
                                      const std::string& name, c10::Device found,
                                      const std::string& fix) {
@@ -118,8 +150,7 @@ std::vector<at::Tensor> DataParallelImpl::ensure_placement() {
     return buffers;
   }
   if (options.place_module()) {
-    // Moving to meta drops the values, and LibTorch's clone() cannot build replicas from a module
-    // on meta: refuse before the move instead of failing after it.
+    // Refused before the move: meta keeps no values, and clone() cannot copy from it.
     TORCH_CHECK(!target.is_meta() || device_ids_.size() == 1, kApi,
                 ": place_module(true) would move the module to meta (device_ids[0]), which keeps "
                 "no values, and LibTorch's Cloneable::clone() cannot build replicas from a module "
@@ -208,6 +239,7 @@ std::vector<at::Tensor> DataParallelImpl::run_here(std::vector<at::Tensor> input
   }
   detail::check_forward_context(kApi);
   std::vector<std::vector<at::Tensor>> chunks(inputs.size());
+  std::vector<std::pair<std::string, int64_t>> sizes;
   size_t n = device_ids_.size();
   for (const auto k : c10::irange(inputs.size())) {
     TORCH_CHECK(inputs[k].dim() > 0, kApi, ": forward argument ", k,
@@ -219,7 +251,9 @@ std::vector<at::Tensor> DataParallelImpl::run_here(std::vector<at::Tensor> input
                       inputs[k].dim() - 1, "], the dimension the batch is split along");
     chunks[k] = autograd::scatter(inputs[k], device_ids_, std::nullopt, dim);
     n = std::min(n, chunks[k].size());
+    sizes.emplace_back(c10::str("forward argument ", k), inputs[k].size(dim));
   }
+  detail::check_chunks(sizes, n, device_ids_.size(), dim, kApi);
   const std::vector<c10::Device> used(device_ids_.begin(), device_ids_.begin() + n);
   if (options.cuda_graphs()) {
     std::vector<std::vector<at::Tensor>> per_replica(n);
@@ -237,8 +271,7 @@ std::vector<at::Tensor> DataParallelImpl::run_here(std::vector<at::Tensor> input
   if (options.bucket_cap_mb()) {
     bucket_size.emplace(autograd::bucket_bytes_from_mib(*options.bucket_cap_mb(), kApi));
   }
-  // Note [Buffers of failed forwards]: the last forward's copy is refreshed in place unless
-  // someone still holds it.
+  // Note [Buffers of failed forwards]: refreshed in place unless someone still holds it.
   if (!buffer_snapshot_ || buffer_snapshot_.use_count() > 1) {
     buffer_snapshot_ = std::make_shared<BufferSnapshot>();
   }

@@ -25,44 +25,30 @@
 namespace torchdp {
 
 /// Options of torchdp::DataParallel. `device_ids`, `output_device` and `cuda_graphs` are read when
-/// the DataParallel is made (changing them later in `DataParallelImpl::options` makes the next
-/// forward fail, naming the option: make a new DataParallel instead); `dim`, `place_module` and
-/// `bucket_cap_mb` are read at every forward.
+/// it is made (a later change fails the next forward); the others at every forward.
 struct DataParallelOptions {
-  /// The devices to run on. Default: every visible CUDA device; with none, DataParallel calls the
-  /// wrapped module directly (as torch.nn.DataParallel does without an accelerator). CPU and meta
-  /// device lists run the full machinery (a device may repeat: {kCPU, kCPU} gives two replicas).
+  /// The devices to run on. Default: every visible CUDA device; with none, the module is called
+  /// directly, as torch.nn.DataParallel does. CPU and meta devices work and may repeat.
   TORCH_ARG(std::optional<std::vector<c10::Device>>, device_ids) = std::nullopt;
   /// Where the gathered output goes. Default: device_ids[0].
   TORCH_ARG(std::optional<c10::Device>, output_device) = std::nullopt;
   /// The dimension inputs are split along and outputs joined along.
   TORCH_ARG(int64_t, dim) = 0;
-  /// When the module is not on device_ids[0] at a forward, move it there (module->to(device))
-  /// instead of raising an error.
+  /// Move a module that is not on device_ids[0] there at the forward instead of raising.
   TORCH_ARG(bool, place_module) = false;
-  /// Size in MiB of the gradient buckets reduced while the backward pass runs (as DDP's
-  /// bucket_cap_mb; 0: one bucket, reduced at the end; the first bucket, holding the last
-  /// parameters, is at most 1 MiB, as DDP's). Default: 25.
+  /// Size in MiB of the gradient buckets reduced during the backward pass, as DDP's
+  /// bucket_cap_mb (0: one bucket, reduced at the end). Default: 25.
   TORCH_ARG(std::optional<double>, bucket_cap_mb) = std::nullopt;
-  /// Keep the replicas between forwards and replay each replica's forward and backward as CUDA
-  /// graphs, captured once per input signature (up to 8; others run eagerly). For modules bound
-  /// by the CPU (many small layers); the forward must be capturable (no synchronisation with the
-  /// CPU, no data-dependent shapes). CUDA devices only, in builds with TORCHDP_WITH_CUDA. See
-  /// Note [Graphed replicas] in torchdp/graphed_replicas.h.
+  /// Replay each replica's forward and backward as CUDA graphs, captured once per input
+  /// signature (up to 8; others run eagerly): for CPU-bound models with a capturable forward.
+  /// CUDA devices only. Note [Graphed replicas] in torchdp/graphed_replicas.h.
   TORCH_ARG(bool, cuda_graphs) = false;
 #if TORCHDP_WITH_C10D
   /// Average the gradients over the processes of this c10d group after each backward pass, as
-  /// DistributedDataParallel does (one process per host, each driving its own devices). At the
-  /// first forward every process takes group rank 0's parameters and buffers (the modules must
-  /// match); the backward pass of a forward with grad mode on, outside no_sync(), then leaves
-  /// every parameter's grad averaged over the group (a parameter without a gradient in this
-  /// process takes part with zeros; one without a gradient in every process keeps none, as with
-  /// DDP). Every process must run the same forwards and backward
-  /// passes. Not with cuda_graphs. Read at every forward. See Note [Reducing across processes]
-  /// in torchdp/process_group.cpp. Default: none.
+  /// DistributedDataParallel does; the first forward takes rank 0's parameters and buffers.
+  /// Every process runs the same steps. Not with cuda_graphs. Note [Reducing across processes].
   TORCH_ARG(c10::intrusive_ptr<c10d::ProcessGroup>, process_group);
-  /// With a process_group, every forward with grad mode on (outside no_sync()) first copies
-  /// group rank 0's buffers to the other processes, as DistributedDataParallel does.
+  /// With a process_group, forwards with grad mode on first copy rank 0's buffers, as DDP's.
   TORCH_ARG(bool, broadcast_buffers) = true;
 #endif
 };
@@ -78,11 +64,9 @@ template <typename Impl>
 struct HasConcreteForward<Impl, std::void_t<decltype(&Impl::forward)>> : std::true_type {};
 
 // Note [Modules with a templated forward]
-// torch::nn::Sequential (and any module whose forward is a template) cannot go into an AnyModule,
-// which needs one concrete forward. DataParallel then holds the module itself as usual (it is
-// registered, cloned and replicated like any other) and calls each replica through this adaptor,
-// whose forward takes one tensor and returns one tensor. The adaptor is not a child of anything:
-// it only forwards the call.
+// An AnyModule needs one concrete forward, which torch::nn::Sequential lacks: such a module is
+// held, cloned and replicated as usual, and each replica is called through this tensor-to-tensor
+// adaptor, which is not a child of anything.
 template <typename Impl>
 struct TensorForward : torch::nn::Module {
   explicit TensorForward(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -92,14 +76,19 @@ struct TensorForward : torch::nn::Module {
   std::shared_ptr<Impl> impl_;
 };
 
-// The checks of DataParallel's options and module, made once here for both front ends: the C++
-// DataParallelImpl and the Python wrapper (torchdp/data_parallel.py, through torchdp._C).
+// DataParallel's checks, for both front ends (the Python wrapper calls them through torchdp._C).
 
 /// A process group and CUDA graphs together are refused (c10::ValueError).
 void check_group_and_graphs(bool process_group, bool cuda_graphs, const char* api);
 
 /// CUDA graphs need CUDA devices (c10::ValueError) and a build with the CUDA fast paths.
 void check_cuda_graphs(const std::vector<c10::Device>& devices, const char* api);
+
+/// Refuses a split that drops rows: `chunks` (fewer than `n` devices) came from the shortest of
+/// the tensors, named with their sizes along `dim` in `sizes`, while a longer one needs more
+/// (c10::ValueError naming both). A batch smaller than the devices passes: fewer replicas run.
+void check_chunks(const std::vector<std::pair<std::string, int64_t>>& sizes, size_t chunks,
+                  size_t n, int64_t dim, const char* api);
 
 /// The error for a module that is not on device_ids[0]: its `kind` ("parameter" or "buffer")
 /// `name` was found on `found`; `fix` (the front end's words) ends it.
@@ -109,9 +98,8 @@ std::string misplaced_module_message(c10::Device target, const std::string& kind
 
 } // namespace detail
 
-/// While it lives, the forwards of a DataParallel do not average their gradients over its
-/// process_group in their backward pass (gradient accumulation, as DDP's no_sync()); the first
-/// backward of a forward after it averages everything accumulated. See DataParallelImpl::no_sync.
+/// While it lives, forwards do not average their gradients over the process_group (gradient
+/// accumulation, as DDP's no_sync()). See DataParallelImpl::no_sync.
 class NoSync {
  public:
   explicit NoSync(DataParallelImpl& dp);
@@ -124,17 +112,11 @@ class NoSync {
   bool previous_;
 };
 
-/// Data parallelism over the devices of one process, as a module: every forward splits its tensor
-/// arguments along `dim` over the devices, runs one replica of the wrapped module per chunk in
-/// parallel, and joins the outputs on `output_device`. Gradients of all replicas are summed into
-/// the wrapped module's parameters. Replicas are cached and refreshed, not rebuilt, between
-/// forwards (see Note [Replicating Modules]); the wrapped module and its submodules must be
-/// Cloneable.
-///
-/// The wrapped module is registered as the child "module", so parameters(), to(), train() and
-/// serialization go through it, and its parameters and buffers must be on device_ids[0] at each
-/// forward (or set place_module). With a single device, the module runs directly (no replication)
-/// and the output is moved to output_device.
+/// Data parallelism over the devices of one process: each forward splits its tensor arguments
+/// along `dim`, runs one replica per chunk in parallel and gathers the outputs on `output_device`;
+/// gradients are summed into the wrapped module, which must be Cloneable and on device_ids[0].
+/// Replicas are refreshed, not rebuilt, between forwards (Note [Replicating Modules]). The module
+/// is the child "module"; on one device it runs directly.
 ///
 /// Example::
 ///
@@ -144,9 +126,8 @@ class NoSync {
 ///   loss.backward();
 class DataParallelImpl : public torch::nn::Module {
  public:
-  /// Wraps `module` (a holder such as `torch::nn::Linear` or a `std::shared_ptr<Impl>`). A module
-  /// whose forward is a template, such as `torch::nn::Sequential`, is called with one tensor and
-  /// must return one (Note [Modules with a templated forward]).
+  /// Wraps `module` (a holder or a `std::shared_ptr<Impl>`); a templated forward such as
+  /// Sequential's takes and returns one tensor (Note [Modules with a templated forward]).
   template <typename ModuleType>
   explicit DataParallelImpl(ModuleType module, DataParallelOptions options = {})
       : options(std::move(options)) {
@@ -174,10 +155,8 @@ class DataParallelImpl : public torch::nn::Module {
     return join(std::move(outputs), buffers);
   }
 
-  /// The same forward without the gather: one output per replica, each on its replica's device
-  /// (one element when DataParallel passes through or runs on one device). Compute the loss per
-  /// replica with torchdp::parallel_loss so that output_device never holds the whole batch's
-  /// outputs (memory balance).
+  /// The forward without the gather: one output per replica, on its device; pair it with
+  /// torchdp::parallel_loss so that output_device never holds the whole batch's outputs.
   template <typename... Tensors>
   std::vector<at::Tensor> forward_replicas(const Tensors&... inputs) {
     static_assert(sizeof...(Tensors) > 0,
@@ -209,9 +188,7 @@ class DataParallelImpl : public torch::nn::Module {
   /// With options.cuda_graphs: how many input signatures were captured as CUDA graphs so far.
   int64_t graph_captures() const;
 
-  /// Gradient accumulation with a process_group: forwards made while the returned guard lives
-  /// do not average their gradients in their backward pass.
-  ///
+  /// Gradient accumulation with a process_group: forwards under the guard do not average.
   ///   {
   ///     auto guard = model->no_sync();
   ///     model->forward(x1).sum().backward();   // accumulates only
@@ -256,25 +233,20 @@ class DataParallelImpl : public torch::nn::Module {
   void init(std::shared_ptr<torch::nn::Module> module, Wrap wrap);
   // Fails when an option read at construction was changed since (see DataParallelOptions).
   void check_fixed_options() const;
-  // Checks (or, with place_module, makes) that the module is on device_ids[0]; returns its
-  // buffers.
+  // Checks (or with place_module makes) the module's placement; returns its buffers.
   std::vector<at::Tensor> ensure_placement();
-  // The per-replica outputs (one when passing through or on one device, already on
-  // output_device then).
-  // A replicated forward first copies the module's buffers and writes them back when it fails
-  // (Note [Buffers of failed forwards]); the copy is handed out through `buffers` when given.
+  // The per-replica outputs; the buffer copy of Note [Buffers of failed forwards] goes to
+  // `buffers` when given.
   std::vector<at::Tensor> run(std::vector<at::Tensor> inputs, const Call& call,
                               std::shared_ptr<BufferSnapshot>* buffers = nullptr);
-  // run() without the process group's part; `originals`: the module's buffers, as
-  // ensure_placement() returned them (empty when passing through).
+  // run() without the process group's part; `originals`: ensure_placement()'s buffers.
   std::vector<at::Tensor> run_here(std::vector<at::Tensor> inputs, const Call& call,
                                    const std::vector<at::Tensor>& originals,
                                    std::shared_ptr<BufferSnapshot>* buffers);
   // run() through the graphed replicas (empty when this forward runs eagerly).
   std::vector<at::Tensor> run_graphed(const std::vector<std::vector<at::Tensor>>& chunks,
                                       const Call& call);
-  // The gathered output of run()'s outputs; when the gather fails, run()'s buffer copy is written
-  // back.
+  // Gathers run()'s outputs; a failed gather writes the buffer copy back.
   at::Tensor join(std::vector<at::Tensor> outputs,
                   const std::shared_ptr<BufferSnapshot>& buffers) const;
 
@@ -305,12 +277,9 @@ enum class LossReduction {
   Sum,  ///< sum of the replicas' losses
 };
 
-/// The loss per replica, for memory balance: splits `target` along `dim` as DataParallel splits its
-/// inputs (`target.chunk(outputs.size(), dim)`), moves chunk i to outputs[i]'s device, computes
-/// `loss_fn(outputs[i], chunk_i)` there (a 0-dim tensor), and combines the losses on
-/// `output_device` (default: outputs[0]'s device); only scalars travel between devices.
-/// Differentiable. With `LossReduction::Mean` and a loss_fn that averages over its samples, the
-/// result is the whole-batch mean.
+/// The loss per replica, for memory balance: splits `target` along `dim` as the inputs were,
+/// computes `loss_fn(outputs[i], chunk_i)` (a 0-dim tensor) on each output's device and combines
+/// the losses on `output_device` (default: outputs[0]'s). Differentiable.
 ///
 ///   auto outputs = model->forward_replicas(x);   // model: torchdp::DataParallel
 ///   auto loss = torchdp::parallel_loss(outputs, y, [](const at::Tensor& out, const at::Tensor& t)
@@ -324,11 +293,8 @@ at::Tensor parallel_loss(
     LossReduction reduction = LossReduction::Mean, int64_t dim = 0,
     std::optional<c10::Device> output_device = std::nullopt);
 
-/// Drop-in for torch::nn::parallel::data_parallel, with the same signature and results: splits
-/// `input` along `dim` over `devices` (default: all CUDA devices), runs a replica of `module` per
-/// chunk in parallel and gathers the outputs on `output_device` (default: devices[0]). With one
-/// device, the module is moved there and called directly. Unlike LibTorch's version, replicas are
-/// cached and refreshed instead of deep-cloned on every call, and gradients are reduced coalesced.
+/// Drop-in for torch::nn::parallel::data_parallel, with the same signature and results; replicas
+/// are refreshed instead of deep-cloned on every call. With one device the module runs there.
 template <typename ModuleType>
 at::Tensor data_parallel(ModuleType module, at::Tensor input,
                          std::optional<std::vector<c10::Device>> devices = std::nullopt,

@@ -48,10 +48,8 @@ __all__ = ["DataParallel", "data_parallel"]
 
 T = TypeVar("T", bound=nn.Module)
 
-# The class torchdp.DataParallel derives from, captured before torchdp.patch_torch() can replace
-# torch.nn.DataParallel (importlib: the attribute torch.nn.parallel.data_parallel is the
-# function, which shadows the submodule), so isinstance(dp, torch.nn.DataParallel) holds with
-# or without the patch.
+# The base class, taken before torchdp.patch_torch() can replace torch.nn.DataParallel (through
+# importlib: the function torch.nn.parallel.data_parallel shadows the submodule).
 _TorchDataParallel = importlib.import_module("torch.nn.parallel.data_parallel").DataParallel
 
 
@@ -59,8 +57,7 @@ _API = "torchdp.DataParallel"
 
 
 def _nonempty(inputs: Sequence[Any], kwargs: Sequence[Any] | None) -> tuple[Any, Any]:
-    """Scattered chunks; a call without arguments runs once, on the first device (and an
-    overridden scatter may say "no keyword arguments" with None, as parallel_apply does)."""
+    """Scattered chunks; a call without arguments runs once, on the first device."""
     if kwargs is None:
         kwargs = tuple({} for _ in inputs)
     if not inputs and not kwargs:
@@ -75,8 +72,8 @@ def _run_replicated(
     gather_fn: Callable[[list[Any]], Any],
     cache_fn: Callable[[], Any],
 ) -> Any:
-    """replicate, parallel_apply, gather. Note [Buffers of failed forwards]: replica 0 updates
-    the module's buffers in place; a failure anywhere from here to the gather writes them back."""
+    """replicate, parallel_apply, gather; a failure writes the module's buffers back (Note
+    [Buffers of failed forwards])."""
     buffers = None
     _expect_buffer_snapshot(module)
     try:
@@ -87,8 +84,7 @@ def _run_replicated(
         try:
             outputs = apply_fn(replicas)
         finally:
-            # Note [Kept replicas]: taken back only when nothing holds them (after a failure the
-            # traceback does, and they are dropped at once).
+            # Note [Kept replicas]: taken back only when nothing else holds them.
             del replicas
             cache = cache_fn()
             if cache is not None:
@@ -101,14 +97,6 @@ def _run_replicated(
     finally:
         if buffers is not None:
             buffers.release()
-
-
-def _chunk_count(size: int, n: int) -> int:
-    """How many chunks ``torch.chunk`` makes of ``size`` rows for ``n`` devices."""
-    if size <= 0:
-        return 1
-    step = -(-size // n)
-    return -(-size // step)
 
 
 def _tensor_sizes(obj: Any, path: str, dim: int, out: list[tuple[str, int]]) -> None:
@@ -133,11 +121,8 @@ def _check_chunks(
     dim: int,
     api: str,
 ) -> None:
-    """PyTorch's scatter_kwargs pads only when the keyword chunks are fewer than the positional
-    *arguments*; its parallel_apply then asserts: same error, with the cause and the fix. Fewer
-    chunks than devices happens for a small batch (fewer replicas run, as in PyTorch), but also
-    when one tensor is shorter than the others: scatter's zip then drops the rows of the longer
-    ones without a word (PyTorch too). That case is refused, naming both sizes."""
+    """PyTorch's parallel_apply assertion for keyword chunks that outnumber the positional ones,
+    with its cause; then _C.check_chunks: a short tensor must not make scatter drop rows."""
     if len(chunk_kwargs) != len(chunks):
         raise AssertionError(
             f"The number of modules {len(chunks)} is not equal to the number of "
@@ -153,17 +138,24 @@ def _check_chunks(
         _tensor_sizes(item, f"positional argument {i}", dim, sizes)
     for key, item in (kwargs or {}).items():
         _tensor_sizes(item, f"keyword argument {key!r}", dim, sizes)
-    longest = max(sizes, key=lambda entry: _chunk_count(entry[1], n), default=None)
-    if longest is None or _chunk_count(longest[1], n) <= len(chunks):
-        return
-    shortest = min(sizes, key=lambda entry: _chunk_count(entry[1], n))
-    raise ValueError(
-        f"{api}: the input tensors have different sizes along dim {dim}: {longest[0]} has "
-        f"{longest[1]} but {shortest[0]} has {shortest[1]}, which splits into only "
-        f"{_chunk_count(shortest[1], n)} chunk(s) for {n} devices; the extra rows of the "
-        "longer tensors would be dropped. Give every tensor the batch size along that dim, or "
-        "pass the shorter one in another form (a buffer of the module, or a Python list)"
-    )
+    _C.check_chunks(sizes, len(chunks), n, dim, api)
+
+
+def _indices(
+    device_ids: Any, output_device: Any, device_type: str, api: str
+) -> tuple[list[int], int]:
+    """PyTorch's device_ids and output_device defaults and index conversion, checked for CUDA."""
+    if device_ids is None:
+        device_ids = _get_all_device_indices()
+    if device_ids is None:
+        raise RuntimeError("no available devices were found")
+    if output_device is None:
+        output_device = device_ids[0]
+    ids = [_get_device_index(x, True) for x in device_ids]
+    output = _get_device_index(output_device, True)
+    if device_type == "cuda":
+        _check_device_ids(ids, output, api)
+    return ids, output
 
 
 def _check_cuda_graphs(cuda_graphs: Any) -> int:
@@ -184,18 +176,12 @@ def _check_cuda_graphs(cuda_graphs: Any) -> int:
     )
 
 
-# The graphed replicas of each DataParallel with cuda_graphs (outside the module, so that copying
-# or pickling the wrapper never meets CUDA graphs; they are rebuilt at the next forward).
+# Per-wrapper state kept outside the module, so that copying or pickling the wrapper never meets
+# CUDA graphs, process groups or kept replicas; data_parallel() keeps its caches per module.
 _GRAPHED: weakref.WeakKeyDictionary[nn.Module, GraphedReplicas] = weakref.WeakKeyDictionary()
 
-# The gradient averaging of each DataParallel with a process_group (outside the module: a process
-# group can be neither copied nor pickled).
 _SYNCS: weakref.WeakKeyDictionary[nn.Module, ProcessGroupSync] = weakref.WeakKeyDictionary()
 
-# The replicas each DataParallel keeps between forwards (cache_replicas; Note [Kept replicas] in
-# csrc/python/replicate_cache.cpp), outside the module for the same reasons; and those
-# data_parallel() keeps per module (a cache holds no reference to its module, so the weak key can
-# die).
 _REPLICA_CACHES: weakref.WeakKeyDictionary[nn.Module, _C.ReplicaCache] = weakref.WeakKeyDictionary()
 _FUNCTIONAL_CACHES: weakref.WeakKeyDictionary[nn.Module, _C.ReplicaCache] = (
     weakref.WeakKeyDictionary()
@@ -211,8 +197,7 @@ def _unchanged(outputs: V) -> V:
 def _weak_entry(
     table: weakref.WeakKeyDictionary[nn.Module, V], key: nn.Module, make: Callable[[], V] | None
 ) -> V | None:
-    """``table[key]``, made with ``make()`` when missing (``None``: only looked up); ``None``
-    for a module that cannot be a key (a class that defines ``__eq__`` without ``__hash__``)."""
+    """``table[key]``, made with ``make()`` when missing; ``None`` for an unhashable module."""
     try:
         value = table.get(key)
         if value is None and make is not None:
@@ -226,7 +211,7 @@ _warned_ignored_device_ids = False
 
 
 def _warn_ignored_device_ids(device_ids: Any) -> None:
-    """Once per process: explicit device_ids that the passthrough (no accelerator) drops."""
+    """Once per process: the passthrough (no accelerator) ignores explicit device_ids."""
     global _warned_ignored_device_ids
     if _warned_ignored_device_ids:
         return
@@ -247,19 +232,18 @@ class DataParallel(_TorchDataParallel[T]):
     The input is split across the devices along :attr:`dim` (other objects are passed to every
     device by reference), the module is replicated on each device in every forward, each replica
     runs on its chunk on a persistent worker, and the outputs are gathered on
-    :attr:`output_device`. In the backward pass the gradients of all replicas are summed into the
-    original module's parameters. The replica on ``device_ids[0]`` shares storage with
-    :attr:`module`, so in-place buffer updates there (BatchNorm running statistics) persist.
+    :attr:`output_device`. The gradients of all replicas are summed into :attr:`module`'s
+    parameters. The replica on ``device_ids[0]`` shares storage with :attr:`module`, so in-place
+    buffer updates there (BatchNorm running statistics) persist.
 
     Constructor, attributes, overridable methods (:meth:`replicate`, :meth:`scatter`,
     :meth:`parallel_apply`, :meth:`gather`), messages and exception types follow
     :class:`torch.nn.DataParallel`; ``isinstance(dp, torch.nn.DataParallel)`` is true. On top:
 
-    * registered post-replicate hooks (:func:`torchdp.register_post_replicate_hook`) and
+    * post-replicate hooks (:func:`torchdp.register_post_replicate_hook`) and
       ``__data_parallel_replicate__`` callbacks run on every replica, and every replica's
-      parameters and buffers are checked to be on its device (a custom ``__setattr__`` that
-      swallows replicate's assignment is repaired, with a warning);
-    * the device error of the first forward names the offending parameter and the fix;
+      parameters and buffers are checked to be on its device;
+    * the device error of a forward names the offending parameter and the fix;
     * ``devices=`` runs the full machinery on an explicit device list, CPU and meta included.
 
     Args:
@@ -271,67 +255,51 @@ class DataParallel(_TorchDataParallel[T]):
             Default: ``0``.
         devices (list of torch.device, keyword-only): an explicit device list (cpu, meta or cuda;
             a device may repeat) used instead of :attr:`device_ids`, even without an accelerator.
-            Then ``device_ids`` is this list of ``torch.device``, ``src_device_obj`` is
-            ``devices[0]`` and :attr:`output_device` (default ``devices[0]``) may be the CPU.
+            Then ``device_ids`` is this list and :attr:`output_device` (default ``devices[0]``)
+            may be the CPU.
         place_module (bool, keyword-only): move :attr:`module` to ``device_ids[0]`` at the first
             forward instead of raising when it is elsewhere. Default: ``False``.
-        gather_output (bool, keyword-only): ``False`` makes the forward return the list of the
-            replicas' outputs, each on its own device, instead of gathering them on
-            :attr:`output_device`; compute the loss per replica with
+        gather_output (bool, keyword-only): ``False`` returns the list of the replicas' outputs,
+            each on its own device; compute the loss per replica with
             :class:`torchdp.DataParallelCriterion` so that the first device does not hold the whole
-            batch's outputs (memory balance). Default: ``True``.
+            batch's outputs. Default: ``True``.
         serial_forward (bool, keyword-only): issue the replicas' forwards one after the other on
-            the calling thread instead of on parallel workers (see
-            :func:`torchdp.parallel_apply`); faster for forwards made of many small Python-level
-            operations, which are bound by the CPU and the GIL. Replicas that wait for each
-            other inside the forward (cross-replica BatchNorm synchronisation through queues)
-            must keep the default, or they wait forever. Default: ``False``.
+            the calling thread instead of on parallel workers; faster for forwards bound by the
+            CPU and the GIL. Replicas that wait for each other inside the forward (cross-replica
+            BatchNorm through queues) must keep the default. Default: ``False``.
         bucket_cap_mb (float, keyword-only): size in MiB of the gradient buckets reduced while
             the backward pass runs, as DDP's ``bucket_cap_mb`` (``0``: one bucket, reduced at the
-            end); as in DDP the first bucket (the last parameters) holds at most 1 MiB, so that
-            the first reduction starts early. Default: 25.
+            end). Default: 25.
         stale_attributes (str, keyword-only): what to do with plain (unregistered) attributes of
             the replicas on the other devices that still hold tensors on ``device_ids[0]`` or the
-            module's own submodules, directly or inside lists, tuples and dicts (a non-buffer
-            ``self.pixel_mean``, a Python list of stages): ``'move'`` gives each replica its own
-            copies on its device, ``'warn'`` warns once per class and attribute, ``'error'``
-            raises before the replicas run. Checked after the post-replicate hooks, so it
-            catches what they miss. Default: ``None`` (as PyTorch: shared, unchecked).
+            module's own submodules (a non-buffer ``self.pixel_mean``, a Python list of stages):
+            ``'move'`` gives each replica its own copies, ``'warn'`` warns once per class and
+            attribute, ``'error'`` raises. Checked after the post-replicate hooks. Default:
+            ``None`` (as PyTorch: shared, unchecked).
         cuda_graphs (bool or int, keyword-only): keep the replicas between steps and replay each
             replica's forward and backward as CUDA graphs, captured once per input signature
-            (shapes, dtypes, training flags, grad mode, autocast state; ``True`` captures up to
-            8 signatures, an int sets the limit, further ones run eagerly). For models bound by
-            the CPU (many small layers); the forward must be capturable (no synchronisation with
-            the CPU, no data-dependent shapes). Post-replicate hooks run when the replicas are
-            built, not per forward; :meth:`replicate` and :meth:`parallel_apply` are not called.
-            A second forward before the first one's backward runs eagerly. See Note [Graphed
-            replicas] in ``csrc/torchdp/graphed_replicas.h``. CUDA devices only. Default: ``False``.
+            (shapes, dtypes, training flags, grad mode, autocast state; ``True`` captures up to 8,
+            an int sets the limit, further ones run eagerly). For models bound by the CPU; the
+            forward must be capturable (no synchronisation with the CPU, no data-dependent
+            shapes). Post-replicate hooks run when the replicas are built; :meth:`replicate` and
+            :meth:`parallel_apply` are not called. CUDA devices only. Default: ``False``.
         cache_replicas (bool, keyword-only): keep the replica modules between forwards and refill
-            them at each forward instead of building new ones (the C++ ``DataParallel`` does the
-            same). A kept replica gets a fresh copy of the module's attributes, parameters,
-            buffers and submodules at every forward, exactly as a new one would, so changes to the
-            module between forwards show up and nothing a forward writes into a replica
-            survives. Replicas that are still referenced after the forward (by a checkpointed
-            forward, a hook that stored them, a forward in another thread) are not reused, and
-            other module classes (in ``modules()`` order) or another device list build new ones.
-            Modules with a class of their own ``__setattr__``, ``_replicate_for_data_parallel``
-            or ``__new__``, or with ``__slots__``, and compiled modules, get new replicas every
-            time. ``False`` builds new replicas at every forward, as
+            them at each forward, exactly as new ones would be filled, so changes to the module
+            show up and nothing a forward writes into a replica survives. Replicas still
+            referenced after the forward are not reused; modules with their own ``__setattr__``,
+            ``_replicate_for_data_parallel``, ``__new__`` or ``__slots__``, and compiled modules,
+            get new replicas every time. ``False`` builds new replicas at every forward, as
             ``torch.nn.DataParallel`` does. Default: ``True``.
-        process_group (torch.distributed.ProcessGroup, keyword-only): average the gradients
-            over the processes of this group after each backward pass, as
-            ``DistributedDataParallel`` does (one process per host, each driving its own devices
-            with torchdp). At the first forward every process takes group rank 0's parameters and
-            buffers (the modules must match); the backward of a forward with grad mode on, outside
-            :meth:`no_sync`, then leaves every parameter's ``.grad`` averaged over the group (a
-            parameter without a gradient in this process takes part with zeros; one without a
-            gradient in every process keeps ``None``, as with DDP). Every process must run the
-            same forwards and backward passes. Not with ``cuda_graphs``; the group
-            is not copied or pickled with the wrapper. See Note [Reducing across processes] in
-            ``csrc/torchdp/process_group.cpp``. Default: ``None``.
+        process_group (torch.distributed.ProcessGroup, keyword-only): average the gradients over
+            the processes of this group after each backward pass, as
+            ``DistributedDataParallel`` does (one process per host, each driving its devices).
+            The first forward takes group rank 0's parameters and buffers; the backward of a
+            forward with grad mode on, outside :meth:`no_sync`, leaves every ``.grad`` averaged
+            over the group. Every process must run the same steps. Not with ``cuda_graphs``; not
+            copied or pickled with the wrapper. Default: ``None``.
         broadcast_buffers (bool, keyword-only): with a :attr:`process_group`, every forward with
-            grad mode on (outside :meth:`no_sync`) first copies group rank 0's buffers to the
-            other processes, as in ``DistributedDataParallel``. Default: ``True``.
+            grad mode on first copies group rank 0's buffers to the other processes, as in
+            ``DistributedDataParallel``. Default: ``True``.
 
     Attributes:
         module (Module): the module to be parallelized.
@@ -343,8 +311,8 @@ class DataParallel(_TorchDataParallel[T]):
         >>> cpu_net = torchdp.DataParallel(model, devices=[torch.device("cpu")] * 2)
     """
 
-    # Class-level defaults, so that wrappers pickled before these options existed still load (and
-    # torch.nn.DataParallel checkpoints unpickled while torchdp.patch_torch() is active).
+    # Class-level defaults, for wrappers pickled without these options (and torch.nn.DataParallel
+    # checkpoints unpickled under torchdp.patch_torch()).
     gather_output: bool = True
     serial_forward: bool = False
     bucket_cap_mb: float | None = None
@@ -374,8 +342,7 @@ class DataParallel(_TorchDataParallel[T]):
         process_group: Any = None,
         broadcast_buffers: bool = True,
     ) -> None:
-        # Deliberately not torch.nn.DataParallel.__init__: the base class is only there for
-        # isinstance checks.
+        # Not torch.nn.DataParallel.__init__: the base class is there for isinstance checks.
         nn.Module.__init__(self)
         torch._C._log_api_usage_once("torchdp.DataParallel")
         dim = _check_dim(dim, "torchdp.DataParallel")
@@ -413,30 +380,21 @@ class DataParallel(_TorchDataParallel[T]):
 
         device_type = _get_available_device_type()
         if device_type is None or device_type == "mps":
-            # No accelerator: a passthrough wrapper, exactly like torch.nn.DataParallel
-            # (dim, output_device and src_device_obj are not set).
+            # No accelerator: a passthrough, as torch.nn.DataParallel (dim etc. are not set).
             if device_ids is not None:
                 _warn_ignored_device_ids(device_ids)
             self.module = module
             self.device_ids = []
             return
 
-        if device_ids is None:
-            device_ids = _get_all_device_indices()
-        if device_ids is None:
-            raise RuntimeError("no available devices were found")
-        if output_device is None:
-            output_device = device_ids[0]
-
         _check_module(module, "torchdp.DataParallel")
+        self.device_ids, self.output_device = _indices(
+            device_ids, output_device, device_type, "torchdp.DataParallel"
+        )
         self.dim = dim
         self.module = module
-        self.device_ids = [_get_device_index(x, True) for x in device_ids]
-        self.output_device = _get_device_index(output_device, True)
         self.src_device_obj = torch.device(device_type, self.device_ids[0])
-
         if device_type == "cuda":
-            _check_device_ids(self.device_ids, self.output_device, "torchdp.DataParallel")
             _check_balance(self.device_ids)
 
         if len(self.device_ids) == 1:
@@ -445,10 +403,7 @@ class DataParallel(_TorchDataParallel[T]):
     @property
     def process_group(self) -> Any:
         """The ``torch.distributed`` process group the gradients are averaged over, or None.
-
-        Assigning a group (or None) takes effect at the next forward; the group itself is not
-        copied or pickled with the wrapper (a copy or a loaded wrapper has none).
-        """
+        Assigning one takes effect at the next forward; it is not copied or pickled."""
         sync = _SYNCS.get(self)
         return None if sync is None else sync.group
 
@@ -465,9 +420,7 @@ class DataParallel(_TorchDataParallel[T]):
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Forwards inside this context do not average their gradients over the
-        :attr:`process_group` in their backward pass (gradient accumulation, as
-        ``DistributedDataParallel.no_sync``); the first backward of a forward outside it averages
-        everything accumulated. Without a process group it changes nothing."""
+        :attr:`process_group` (gradient accumulation, as ``DistributedDataParallel.no_sync``)."""
         old = self.require_backward_grad_sync
         self.require_backward_grad_sync = False
         try:
@@ -490,7 +443,6 @@ class DataParallel(_TorchDataParallel[T]):
             if not self.device_ids:
                 return watch(self._one_output(self.module(*inputs, **kwargs)))
             if len(self.device_ids) > 1:
-                # Before anything runs: the module stays as it was.
                 _C.check_forward_context("torchdp.DataParallel")
             chunks, chunk_kwargs = _nonempty(*self.scatter(inputs, kwargs, self.device_ids))
             outputs = self._graphed_outputs(chunks, chunk_kwargs) if self.cuda_graphs else None
@@ -513,20 +465,17 @@ class DataParallel(_TorchDataParallel[T]):
             )
 
     def _before_forward(self) -> Callable[[Any], Any]:
-        """The checks of a forward (options, then the module's placement) and the process group's
-        part before the module runs; returns what the outputs go through (the group's hooks)."""
+        """A forward's checks and the process group's work before the module runs; returns what
+        the outputs go through."""
         api = "torchdp.DataParallel"
         sync = _SYNCS.get(self)
         if sync is not None:
-            # A conflict of options comes before anything about the module (its placement).
             _C.check_group_and_graphs(True, bool(self.cuda_graphs), api)
         if self.device_ids:
             self._check_or_place_module()
         if sync is None:
             return _unchanged
-        # The module is on its device by now: the state is synchronised where it will run.
         grad_sync = torch.is_grad_enabled() and self.require_backward_grad_sync
-        # Checked before the module runs (a bad value leaves its buffers as they were).
         bucket_bytes = _bucket_bytes(self.bucket_cap_mb, api) if grad_sync else None
         sync.before_forward(self.module, grad_sync and self.broadcast_buffers)
         if not grad_sync:
@@ -539,12 +488,11 @@ class DataParallel(_TorchDataParallel[T]):
         return watch
 
     def _one_output(self, output: Any) -> Any:
-        """The output of a forward that ran once, where the module put it (as PyTorch)."""
+        """The output of a forward that ran once, where the module put it."""
         return output if self.gather_output else [output]
 
     def _gathered(self, outputs: Sequence[Any]) -> Any:
-        """The replicas' outputs gathered on :attr:`output_device` (a list of them, each where
-        it is, with ``gather_output=False``)."""
+        """The outputs gathered on :attr:`output_device` (as they are, with gather_output=False)."""
         if not self.gather_output:
             return list(outputs)
         return self.gather(outputs, self.output_device)
@@ -611,19 +559,15 @@ class DataParallel(_TorchDataParallel[T]):
         return gather(outputs, output_device, dim=self.dim)
 
 
-# How many input signatures of a compiled module run their replicas in order the first time
-# (dynamo's default recompile limit per code object), and those seen so far, per module.
+# Input signatures of a compiled module whose first call runs the replicas in order (dynamo's
+# default recompile limit), and those seen so far per module.
 _COMPILED_SIGNATURES = 8
 _signatures_seen: weakref.WeakKeyDictionary[nn.Module, set[Any]] = weakref.WeakKeyDictionary()
 
 
 def _first_compiled_call(module: nn.Module, inputs: Sequence[Any], kwargs: Any) -> bool:
-    """True the first time a compiled ``module`` sees these inputs (shapes, dtypes, devices), its
-    training flag and grad mode. Replicas that meet a new signature together on worker threads
-    would each compile it (dynamo's guards fail across the threads' concurrent compiles), using up
-    its recompile limit with copies of one graph; run in order, the first compiles and the others
-    find its graph. Only the first few signatures (dynamo's default limit): beyond them, dynamo no
-    longer compiles per shape."""
+    """True the first time a compiled ``module`` meets this signature: replicas compiling it
+    together on the workers would each compile it and use up dynamo's recompile limit."""
     if "torch._dynamo" not in sys.modules:
         return False
     seen = _weak_entry(_signatures_seen, module, set)
@@ -635,13 +579,11 @@ def _first_compiled_call(module: nn.Module, inputs: Sequence[Any], kwargs: Any) 
     if key in seen:
         return False
     seen.add(key)
-    # The module walk only for a signature not seen before, not at every forward.
     return _holds_compiled(module)
 
 
 def _signature(value: Any) -> Any:
-    """What a compiled call is specialised on in scattered arguments: tensors' shapes, dtypes and
-    devices, the structure around them, the types of the other values."""
+    """What a compiled call is specialised on: tensor metadata, structure, other values' types."""
     if isinstance(value, torch.Tensor):
         return (tuple(value.shape), value.dtype, value.device)
     if isinstance(value, (list, tuple)):
@@ -652,8 +594,7 @@ def _signature(value: Any) -> Any:
 
 
 def _holds_compiled(module: nn.Module) -> bool:
-    """Whether ``module`` or a submodule is compiled (a torch.compile wrapper, or compiled in place
-    with ``module.compile()``)."""
+    """Whether ``module`` or a submodule is compiled (torch.compile or ``module.compile()``)."""
     optimized = getattr(sys.modules.get("torch._dynamo.eval_frame"), "OptimizedModule", ())
     return any(
         isinstance(m, optimized) or m.__dict__.get("_compiled_call_impl") is not None
@@ -676,9 +617,8 @@ def data_parallel(
     r"""Evaluates ``module(*inputs, **module_kwargs)`` in parallel across devices: the functional
     form of :class:`DataParallel`, a drop-in for :func:`torch.nn.parallel.data_parallel`.
 
-    Unlike the class, it has no passthrough without an accelerator (``RuntimeError("device type
-    could not be determined")``, unless :attr:`devices` is given), never moves the module, and
-    always replicates differentiably, even under ``torch.no_grad()``.
+    Unlike the class, it has no passthrough without an accelerator (unless :attr:`devices` is
+    given), never moves the module, and always replicates differentiably.
 
     Args:
         module (Module): the module to evaluate in parallel.
@@ -694,8 +634,7 @@ def data_parallel(
             attributes of the replicas still on the first device, as in :class:`DataParallel`.
             Default: ``None``.
         cache_replicas (bool, keyword-only): keep the replica modules of :attr:`module` between
-            calls and refill them, as :class:`DataParallel` does (kept per module, without keeping
-            the module alive). Default: ``True``.
+            calls, as :class:`DataParallel` does. Default: ``True``.
 
     Returns:
         The gathered output of the module, on :attr:`output_device`.
@@ -721,16 +660,7 @@ def data_parallel(
         device_type = _get_available_device_type()
         if device_type is None:
             raise RuntimeError("device type could not be determined")
-        if device_ids is None:
-            device_ids = _get_all_device_indices()
-        if device_ids is None:
-            raise RuntimeError("no available devices were found")
-        if output_device is None:
-            output_device = device_ids[0]
-        used_ids = [_get_device_index(x, True) for x in device_ids]
-        target = _get_device_index(output_device, True)
-        if device_type == "cuda":
-            _check_device_ids(used_ids, target, "torchdp.data_parallel")
+        used_ids, target = _indices(device_ids, output_device, device_type, "torchdp.data_parallel")
         src_device = torch.device(device_type, used_ids[0])
 
     found = _check_module_device(module, src_device)

@@ -151,6 +151,21 @@ TEST_CASE("a batch smaller than the device count uses fewer replicas", "[cpu][da
   CHECK(dp->forward(torch::randn({5, 3})).size(0) == 5);
 }
 
+TEST_CASE("a tensor shorter than the others is refused, not cut", "[cpu][data_parallel]") {
+  TwoInputs module;
+  torchdp::DataParallel dp(module, on(cpu_devices(2)));
+  const auto x = torch::randn({8, 3});
+  // Scatter splits the short tensor into 1 chunk: the long one's second half would be dropped.
+  TORCHDP_CHECK_THROWS_WITH(dp->forward(x, torch::randn({1, 3})), "torchdp::DataParallel",
+                            "forward argument 0 has 8 but forward argument 1 has 1",
+                            "only 1 chunk(s) for 2 devices");
+  CHECK_THROWS_AS(dp->forward(x, torch::randn({1, 3})), c10::ValueError);
+  // A batch smaller than the devices on every tensor still runs, on fewer replicas.
+  const auto a = torch::randn({1, 3});
+  const auto b = torch::randn({1, 3});
+  CHECK(torch::allclose(dp->forward(a, b), module->forward(a, b)));
+}
+
 TEST_CASE("the masked layer needs its post-replicate hook on a second device",
           "[cpu][data_parallel][hooks]") {
   torch::manual_seed(12);
