@@ -229,21 +229,20 @@ TORCHDP_CATCHES_FORCED_UNWIND py::list parallel_apply(const std::vector<py::func
 } // namespace
 
 void init_core(py::module_& m) {
-  m.def(
-      "has_cuda", without_gil([]() {
-        return torchdp::has_cuda();
-      }),
-      R"doc(True when torchdp was compiled with its CUDA fast paths and CUDA devices are visible.)doc");
+  m.def("has_cuda", without_gil([]() {
+          return torchdp::has_cuda();
+        }),
+        "True when torchdp was compiled with its CUDA fast paths and CUDA devices are visible.");
 
   m.def("has_nccl", without_gil([]() {
           return torchdp::has_nccl();
         }),
-        R"doc(True when torchdp was compiled with its NCCL transport.)doc");
+        "True when torchdp was compiled with its NCCL transport.");
 
   m.def("cuda_device_count", without_gil([]() {
           return torchdp::cuda_device_count();
         }),
-        R"doc(The number of visible CUDA devices (0 on CPU-only builds or machines).)doc");
+        "The number of visible CUDA devices (0 on CPU-only builds or machines).");
 
   m.def("check_forward_context", torch::wrap_pybind_function([](const std::string& api) {
           torchdp::detail::check_forward_context(api.c_str());
@@ -261,62 +260,32 @@ torch.jit.trace and inside torch.func transforms.)doc");
         R"doc(Raises ValueError for an output device the gradients cannot come back from (meta
 when a device of the list holds data).)doc");
 
-  m.def(
-      "normalize_devices",
-      without_gil([](const std::vector<c10::Device>& devices, const std::string& api) {
-        return torchdp::normalize_devices(devices, api.c_str());
-      }),
-      py::arg("devices"), py::arg("api"),
-      R"doc(Normalises a device list the way every torchdp function does: ``cpu:0`` and ``meta:0`` become
-``cpu`` and ``meta``, ``cuda`` without an index becomes the current CUDA device. A device may
-appear more than once.
+  m.def("normalize_devices",
+        without_gil([](const std::vector<c10::Device>& devices, const std::string& api) {
+          return torchdp::normalize_devices(devices, api.c_str());
+        }),
+        py::arg("devices"), py::arg("api"),
+        "Normalised devices (``cpu:0`` -> ``cpu``, ``cuda`` -> the current CUDA device); "
+        "RuntimeError naming ``api`` for an unusable one.");
 
-Args:
-    devices (List[torch.device]): the devices.
-    api (str): the public API name used in error messages (e.g. ``"torchdp.replicate"``).
-
-Returns:
-    List[torch.device]: the normalised devices.
-
-Raises:
-    RuntimeError: for an empty list, an unsupported device type or a CUDA index that is not
-        visible; the message names ``api``, the device and the fix.)doc");
-
-  m.def(
-      "broadcast_coalesced",
-      without_gil([](const std::vector<at::Tensor>& tensors,
-                     const std::vector<c10::Device>& devices, int64_t buffer_size,
-                     bool differentiable) {
-        if (differentiable) {
-          return torchdp::autograd::broadcast_coalesced(
+  m.def("broadcast_coalesced",
+        without_gil([](const std::vector<at::Tensor>& tensors,
+                       const std::vector<c10::Device>& devices, int64_t buffer_size,
+                       bool differentiable) {
+          if (differentiable) {
+            return torchdp::autograd::broadcast_coalesced(
+                tensors, devices,
+                checked_buffer_size(buffer_size, "torchdp::autograd::broadcast_coalesced"));
+          }
+          return torchdp::comm::broadcast_coalesced(
               tensors, devices,
-              checked_buffer_size(buffer_size, "torchdp::autograd::broadcast_coalesced"));
-        }
-        return torchdp::comm::broadcast_coalesced(
-            tensors, devices,
-            checked_buffer_size(buffer_size, "torchdp::comm::broadcast_coalesced"));
-      }),
-      py::arg("tensors"), py::arg("devices"),
-      py::arg("buffer_size") = static_cast<int64_t>(torchdp::comm::kDefaultBufferSize),
-      py::arg("differentiable") = false,
-      R"doc(Copies ``tensors`` (all on ``devices[0]``) to every device of ``devices``, dense tensors in flat
-buckets of at most ``buffer_size`` bytes per dtype.
-
-Args:
-    tensors (List[Tensor]): tensors on ``devices[0]``.
-    devices (List[torch.device]): the target devices; may repeat a device.
-    buffer_size (int): the bucket size in bytes.
-    differentiable (bool): record autograd history (backward is a reduce-add of the gradients).
-
-Returns:
-    List[List[Tensor]]: one list per device. The list of ``devices[0]`` holds the inputs themselves
-    (``differentiable=False``) or tensors sharing their storage (``differentiable=True``); every
-    other copy has its own storage.
-
-Example::
-
-    >>> copies = torchdp._C.broadcast_coalesced([w, b], [torch.device("cuda", 0), torch.device("cuda", 1)])
-    >>> w1, b1 = copies[1])doc");
+              checked_buffer_size(buffer_size, "torchdp::comm::broadcast_coalesced"));
+        }),
+        py::arg("tensors"), py::arg("devices"),
+        py::arg("buffer_size") = static_cast<int64_t>(torchdp::comm::kDefaultBufferSize),
+        py::arg("differentiable") = false,
+        "Copies ``tensors`` (on ``devices[0]``) to every device, in flat buckets of "
+        "``buffer_size`` bytes; one list per device.");
 
   m.def("reduce_add_coalesced",
         without_gil([](const std::vector<std::vector<at::Tensor>>& per_device,
@@ -333,17 +302,7 @@ Example::
         py::arg("per_device"), py::arg("destination"),
         py::arg("buffer_size") = static_cast<int64_t>(torchdp::comm::kDefaultBufferSize),
         py::arg("differentiable") = false,
-        R"doc(Sums ``per_device[j][k]`` over ``j`` into one tensor per ``k`` on ``destination``.
-
-Args:
-    per_device (List[List[Tensor]]): one list per device, all of the same length; the k-th
-        tensors have the same size and dtype; each list lives on one device.
-    destination (torch.device): where the sums go.
-    buffer_size (int): the bucket size in bytes.
-    differentiable (bool): record autograd history (backward is a broadcast of the gradient).
-
-Returns:
-    List[Tensor]: the sums, each with its own storage.)doc");
+        "Sums ``per_device[j][k]`` over ``j`` into one tensor per ``k`` on ``destination``.");
 
   m.def("scatter",
         without_gil([](const at::Tensor& tensor, const std::vector<c10::Device>& devices,
@@ -356,19 +315,8 @@ Returns:
         }),
         py::arg("tensor"), py::arg("devices"), py::arg("chunk_sizes") = py::none(),
         py::arg("dim") = 0, py::arg("differentiable") = true,
-        R"doc(Splits ``tensor`` along ``dim`` and puts chunk ``i`` on ``devices[i]``.
-
-Args:
-    tensor (Tensor): the tensor to split (at least one dimension).
-    devices (List[torch.device]): the target devices.
-    chunk_sizes (List[int], optional): the size of each chunk along ``dim``; they must add up to
-        ``tensor.size(dim)``. Without it the split is ``tensor.chunk(len(devices), dim)``, which can
-        give fewer chunks than devices (a batch of 5 on 4 devices gives 3 chunks).
-    dim (int): the dimension to split.
-    differentiable (bool): record autograd history (backward gathers the gradients).
-
-Returns:
-    List[Tensor]: the chunks; a chunk already on its target device shares the input's storage.)doc");
+        "Splits ``tensor`` along ``dim``, chunk ``i`` on ``devices[i]`` (``tensor.chunk``: maybe "
+        "fewer chunks).");
 
   m.def("gather",
         without_gil([](const std::vector<at::Tensor>& tensors, c10::Device destination, int64_t dim,
@@ -380,40 +328,12 @@ Returns:
         }),
         py::arg("tensors"), py::arg("destination"), py::arg("dim") = 0,
         py::arg("differentiable") = true,
-        R"doc(Concatenates ``tensors`` along ``dim`` on ``destination``.
+        "Concatenates ``tensors`` along ``dim`` on ``destination``.");
 
-Args:
-    tensors (List[Tensor]): the tensors; all dimensions but ``dim`` must agree.
-    destination (torch.device): where the result goes.
-    dim (int): the dimension to concatenate along.
-    differentiable (bool): record autograd history (backward scatters the gradient).
-
-Returns:
-    Tensor: the concatenation. With ``differentiable=True``, 0-dim inputs gathered along dimension
-    0 give a vector with one entry per input and a ``UserWarning``, as ``torch.nn.parallel``'s
-    ``Gather`` does.)doc");
-
-  m.def(
-      "parallel_apply", &parallel_apply, py::arg("fns"), py::arg("devices"),
-      py::arg("serial") = false,
-      R"doc(Calls ``fns[i]()`` for every ``i`` in parallel, on torchdp's persistent worker ``i`` (``fns[0]`` on
-the calling thread), with ``devices[i]`` as the current device and the caller's current stream,
-grad mode and autocast state. The GIL is released while waiting and taken by each worker to call
-its function. With ``serial=True`` the functions run one after the other on the calling thread,
-each with its device current (no GIL handoffs between workers).
-
-Args:
-    fns (List[Callable[[], object]]): the functions, one per device.
-    devices (List[torch.device]): the devices, one per function.
-    serial (bool): run on the calling thread, in order. Default: ``False``.
-
-Returns:
-    List[object]: ``[fns[0](), fns[1](), ...]`` in order.
-
-Raises:
-    Exception: when functions raise, the exception of the lowest index is re-raised as is (same
-        type, same traceback). Wrap the functions to report "Caught X in replica i on device d".
-    ValueError: when ``len(fns) != len(devices)``.)doc");
+  m.def("parallel_apply", &parallel_apply, py::arg("fns"), py::arg("devices"),
+        py::arg("serial") = false,
+        "``[fns[0](), fns[1](), ...]``, ``fns[i]`` on worker ``i`` with ``devices[i]`` current; "
+        "re-raises the lowest-index exception as is.");
 }
 
 } // namespace torchdp::python

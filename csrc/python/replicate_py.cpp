@@ -208,31 +208,18 @@ void init_replicate(py::module_& m) {
         }),
         py::arg("network"), py::arg("devices"), py::arg("detach") = false,
         py::arg("grad_bucket_bytes") = py::none(), py::kw_only(), py::arg("report") = false,
-        R"doc(Replicates a Python nn.Module onto `devices` (see python/torchdp/_C.pyi).
-
-Returns one list per device with the replica of every module of list(network.modules()), in that
-order; element [j][0] is the root replica on devices[j]. Parameters are broadcast differentiably unless
-`detach`, buffers that require grad likewise, other buffers detached; the replica on devices[0] shares
-storage with the original. Modules of classes that keep nn.Module's behaviour are built with direct
-dictionary operations (the same result as PyTorch's Python code, much faster); the others with
-_replicate_for_data_parallel() and setattr. Custom __setattr__ overrides that swallow the assignment
-are repaired (with a one-time UserWarning per class and attribute). The original's tensors are never
-written. Raises RuntimeError for a ScriptModule with Python modules below it. grad_bucket_bytes sets
-the gradient bucket size of the parameters' backward (default 25 MiB; 0: one bucket). With report=True it returns (copies, plain_only): plain_only is True when every
-module was built with dictionary operations and none is compiled, so that every registered tensor of
-the replicas is on its device by construction (only hooks and callbacks can move them).)doc");
+        "Replicas of every module of list(network.modules()) on every device (see "
+        "python/torchdp/_C.pyi).");
   replication::init_replica_cache(m);
-  m.def(
-      "check_replica_devices",
-      torch::wrap_pybind_function([](const std::vector<py::list>& copies,
-                                     const std::vector<c10::Device>& devices,
-                                     const std::string& api) {
-        check_replica_devices(copies, devices, api);
-      }),
-      py::arg("copies"), py::arg("devices"), py::arg("api") = std::string(kApi),
-      R"doc(Raises RuntimeError when a registered parameter or buffer of the replica rooted at copies[j][0]
-(walked from that root, so modules added by hooks count) is not on devices[j], naming its qualified
-name, its device and the expected device.)doc");
+  m.def("check_replica_devices",
+        torch::wrap_pybind_function([](const std::vector<py::list>& copies,
+                                       const std::vector<c10::Device>& devices,
+                                       const std::string& api) {
+          check_replica_devices(copies, devices, api);
+        }),
+        py::arg("copies"), py::arg("devices"), py::arg("api") = std::string(kApi),
+        "RuntimeError naming the tensor when a parameter or buffer of the replica rooted at "
+        "copies[j][0] is not on devices[j].");
   py::class_<torchdp::BufferSnapshot, std::shared_ptr<torchdp::BufferSnapshot>>(
       m, "BufferSnapshot",
       R"doc(A copy of a module's buffers that can be
