@@ -56,10 +56,10 @@ void check_chunks(const std::vector<std::pair<std::string, int64_t>>& sizes, siz
   const auto& longest = *std::max_element(sizes.begin(), sizes.end(), fewer);
   const auto& shortest = *std::min_element(sizes.begin(), sizes.end(), fewer);
   TORCH_CHECK_VALUE(chunk_count(longest.second, n) <= chunks, api,
-                    ": the input tensors have different sizes along dim ", dim, ": ",
-                    longest.first, " has ", longest.second, " but ", shortest.first, " has ",
-                    shortest.second, ", which splits into only ",
-                    chunk_count(shortest.second, n), " chunk(s) for ", n,
+                    ": the input tensors have different sizes along dim ", dim, ": ", longest.first,
+                    " has ", longest.second, " but ", shortest.first, " has ", shortest.second,
+                    ", which splits into only ", chunk_count(shortest.second, n), " chunk(s) for ",
+                    n,
                     " devices; the extra rows of the longer tensors would be dropped. Give every "
                     "tensor the batch size along that dim, or pass the shorter one in another "
                     "form (a buffer of the module, or a Python list)");
@@ -239,7 +239,6 @@ std::vector<at::Tensor> DataParallelImpl::run_here(std::vector<at::Tensor> input
   }
   detail::check_forward_context(kApi);
   std::vector<std::vector<at::Tensor>> chunks(inputs.size());
-  std::vector<std::pair<std::string, int64_t>> sizes;
   size_t n = device_ids_.size();
   for (const auto k : c10::irange(inputs.size())) {
     TORCH_CHECK(inputs[k].dim() > 0, kApi, ": forward argument ", k,
@@ -251,9 +250,14 @@ std::vector<at::Tensor> DataParallelImpl::run_here(std::vector<at::Tensor> input
                       inputs[k].dim() - 1, "], the dimension the batch is split along");
     chunks[k] = autograd::scatter(inputs[k], device_ids_, std::nullopt, dim);
     n = std::min(n, chunks[k].size());
-    sizes.emplace_back(c10::str("forward argument ", k), inputs[k].size(dim));
   }
-  detail::check_chunks(sizes, n, device_ids_.size(), dim, kApi);
+  if (n < device_ids_.size()) { // a small batch, or a short tensor that would drop rows
+    std::vector<std::pair<std::string, int64_t>> sizes;
+    for (const auto k : c10::irange(inputs.size())) {
+      sizes.emplace_back(c10::str("forward argument ", k), inputs[k].size(dim));
+    }
+    detail::check_chunks(sizes, n, device_ids_.size(), dim, kApi);
+  }
   const std::vector<c10::Device> used(device_ids_.begin(), device_ids_.begin() + n);
   if (options.cuda_graphs()) {
     std::vector<std::vector<at::Tensor>> per_replica(n);

@@ -99,8 +99,9 @@ def _refuse_unregistered_leaves(network: nn.Module) -> None:
             map_state(module.__dict__[key], check, key)
 
 
-def _check_output(out: Any, j: int, device: torch.device) -> list[Any]:
-    """The leaves of replica j's output; refuses objects that pytree leaves whole (no replay)."""
+def _check_output(out: Any, j: int, device: torch.device) -> tuple[list[Any], list[torch.Tensor]]:
+    """Replica j's output as (leaves with tensors left out, spec) and its tensors; refuses objects
+    that pytree leaves whole (no replay)."""
     leaves, spec = tree_flatten(out)
     for leaf in leaves:
         if not isinstance(leaf, (torch.Tensor, *_CONSTANT_TYPES)):
@@ -113,8 +114,9 @@ def _check_output(out: Any, j: int, device: torch.device) -> list[Any]:
                 "the type with torch.utils._pytree.register_pytree_node (dataclasses: "
                 "torch.utils._pytree.register_dataclass), or use cuda_graphs=False"
             )
-    # The tensors are dropped: they would keep the capture's autograd graph alive.
-    return [[_TENSOR if isinstance(t, torch.Tensor) else t for t in leaves], spec]
+    # The template drops the tensors: they would keep the capture's autograd graph alive.
+    template = [[_TENSOR if isinstance(t, torch.Tensor) else t for t in leaves], spec]
+    return template, [t for t in leaves if isinstance(t, torch.Tensor)]
 
 
 class GraphedReplicas:
@@ -206,8 +208,9 @@ class GraphedReplicas:
             leaves = [next(it) if isinstance(t, torch.Tensor) else t for t in flat]
             args, kws = tree_unflatten(leaves, spec)
             out = self._replicas[j](*args, **kws)
-            self._outputs.setdefault(key, [None] * n)[j] = _check_output(out, j, self.devices[j])
-            return [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+            template, outs = _check_output(out, j, self.devices[j])
+            self._outputs.setdefault(key, [None] * n)[j] = template
+            return outs
 
         outs = self._steps.run(key, tensors, forward)
         if outs is None:
