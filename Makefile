@@ -92,7 +92,8 @@ python: configure
 # The benchmark smoke test (tests/python/test_benchmarks_smoke.py) runs the C++ benchmark too.
 test-python: build
 	TORCHDP_BENCH_CPP=$(CURDIR)/$(BUILD)/benchmarks/cpp/torchdp_bench_cpp \
-	  PYTHONPATH=$(CURDIR)/python $(PYTHON) -m pytest
+	  TORCHDP_TEST_EXTENSION=required PYTHONPATH=$(CURDIR)/python:$(CURDIR)/$(BUILD)/tests/python \
+	  $(PYTHON) -m pytest
 
 # The setup.py driven build, as a user installs it (editable: python/torchdp is the package).
 install-python: deps
@@ -170,7 +171,8 @@ test-sanitize: deps
 	cp python/torchdp/*.py python/torchdp/py.typed $(SAN_BUILD)/python/torchdp/
 	cd $(SAN_BUILD) && $(SAN_ENV) ctest --output-on-failure -j $(JOBS)
 	LD_PRELOAD="$$($(CXX) -print-file-name=libasan.so) $$($(CXX) -print-file-name=libubsan.so)" \
-	  $(SAN_ENV) PYTHONPATH=$(CURDIR)/$(SAN_BUILD)/python \
+	  $(SAN_ENV) TORCHDP_TEST_EXTENSION=required \
+	  PYTHONPATH=$(CURDIR)/$(SAN_BUILD)/python:$(CURDIR)/$(SAN_BUILD)/tests/python \
 	  $(PYTHON) -m pytest -p no:cacheprovider tests/python
 
 clean:

@@ -105,7 +105,4 @@ void init_data_parallel(pybind11::module_& m);
 /// ProcessGroupSync (bind_process_group.cpp), when torchdp is built with c10d.
 void init_process_group(pybind11::module_& m);
 
-/// Support for torchdp's own tests (csrc/python/bind_testing.cpp): torchdp._C._testing.
-void init_testing(pybind11::module_& m);
-
 } // namespace torchdp::python

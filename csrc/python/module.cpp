@@ -59,5 +59,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   torchdp::python::init_replicate(m);
   torchdp::python::init_data_parallel(m);
   torchdp::python::init_process_group(m);
-  torchdp::python::init_testing(m);
 }

@@ -13,24 +13,6 @@ def has_cuda() -> bool: ...
 def has_nccl() -> bool: ...
 def cuda_device_count() -> int: ...
 
-class _TestingModule:
-    """torchdp._C._testing (csrc/python/bind_testing.cpp): support for torchdp's own tests."""
-
-    has_process_group: bool
-    # Trains a C++ Linear(8,32)-Tanh-Linear(32,32)-Tanh-Linear(32,4) with torchdp::DataParallel over
-    # `group`, plain SGD (no_sync() micro-batches if accumulate), GIL released; returns CPU params.
-    def train_mlp(
-        self,
-        group: Any,
-        init: Sequence[Tensor],
-        batches: Sequence[tuple[Tensor, Tensor]],
-        devices: Sequence[str],
-        lr: float,
-        accumulate: bool,
-    ) -> list[Tensor]: ...
-
-_testing: _TestingModule
-
 # RuntimeError with torchdp's message (naming `api`) for an empty list or an unusable device.
 def normalize_devices(devices: Sequence[torch.device], api: str) -> list[torch.device]: ...
 def check_forward_context(api: str) -> None: ...

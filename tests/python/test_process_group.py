@@ -18,6 +18,17 @@ from torch import nn
 import torchdp
 from dp_testing import exit_process, run_processes
 
+try:
+    # The C++ DataParallel's side of these tests (tests/python/torchdp_testing.cpp): make test
+    # builds it into build/tests/python, puts that on PYTHONPATH and requires it.
+    import torchdp_testing
+except ImportError:
+    if os.environ.get("TORCHDP_TEST_EXTENSION") == "required":
+        raise
+    torchdp_testing = None
+
+_CPP = torchdp_testing is not None and torchdp_testing.has_process_group
+
 WORLD = 2
 STEPS = 3
 BATCH = 16  # the global batch: each process takes BATCH / WORLD rows
@@ -160,12 +171,12 @@ def _scenarios(rank: int, devices: list[str] | None) -> dict:
     }
 
     # The C++ DataParallel with DataParallelOptions::process_group over this backend.
-    if torchdp._C._testing.has_process_group:
+    if _CPP:
         init = [p.detach() for p in _mlp(seed=rank).parameters()]
         shares = [(x.chunk(WORLD)[rank], y.chunk(WORLD)[rank]) for x, y in _batches()]
         cpp_devices = devices or [str(dev)]
         for key, accumulate in (("cpp_trained", False), ("cpp_accumulated", True)):
-            out[key] = torchdp._C._testing.train_mlp(
+            out[key] = torchdp_testing.train_mlp(
                 dist.group.WORLD, init, shares, cpp_devices, 0.1, accumulate
             )
 
@@ -380,7 +391,7 @@ def _reference(accumulate: bool) -> list[torch.Tensor]:
 
 def _check(results: list[dict]) -> None:
     keys = [("trained", False), ("accumulated", True)]
-    if torchdp._C._testing.has_process_group:
+    if _CPP:
         keys += [("cpp_trained", False), ("cpp_accumulated", True)]
     for key, accumulate in keys:
         want = _reference(accumulate)

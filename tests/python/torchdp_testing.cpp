@@ -1,7 +1,10 @@
-// torchdp._C._testing: the C++ DataParallel over a real process group (gloo, NCCL), which only
-// Python can set up here (torch's wheels ship no gloo headers for the C++ tests).
+// torchdp_testing, an extension module of the Python tests only (not shipped): the C++
+// DataParallel over a real process group (gloo, NCCL), which only Python can set up here (torch's
+// wheels ship no gloo headers for the C++ tests). make test builds it next to this file.
 
-#include "bindings.h"
+#include <torch/csrc/utils/pybind.h>
+
+#include <pybind11/stl.h>
 
 #include <torchdp/data_parallel.h>
 
@@ -14,8 +17,6 @@
 #include <string>
 #include <utility>
 #include <vector>
-
-namespace torchdp::python {
 
 namespace {
 
@@ -40,8 +41,8 @@ TORCH_MODULE(TestMlp);
 
 } // namespace
 
-void init_testing(pybind11::module_& m) {
-  auto t = m.def_submodule("_testing", "Support for torchdp's own tests; not an API.");
+PYBIND11_MODULE(torchdp_testing, t) {
+  pybind11::module_::import("torch");
   t.attr("has_process_group") = static_cast<bool>(TORCHDP_WITH_C10D);
 #if TORCHDP_WITH_C10D
   t.def(
@@ -64,7 +65,8 @@ void init_testing(pybind11::module_& m) {
           }
         }
         net->to(device_list.front());
-        DataParallel dp(net, DataParallelOptions().device_ids(device_list).process_group(group));
+        torchdp::DataParallel dp(
+            net, torchdp::DataParallelOptions().device_ids(device_list).process_group(group));
         auto loss = [&](const at::Tensor& x, const at::Tensor& y) {
           return (dp->forward(x.to(device_list.front())) - y.to(device_list.front())).pow(2).mean();
         };
@@ -98,5 +100,3 @@ torchdp::DataParallel over `devices` and `group`, plain SGD at `lr`, one step pe
 batch (two micro-batches under no_sync() when `accumulate`); returns the parameters.)doc");
 #endif
 }
-
-} // namespace torchdp::python
