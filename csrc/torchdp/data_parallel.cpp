@@ -138,15 +138,13 @@ void DataParallelImpl::check_fixed_options() const {
 
 std::vector<at::Tensor> DataParallelImpl::ensure_placement() {
   const auto target = device_ids_.front();
-  bool misplaced = false;
-  for (const auto& t : module_->parameters()) {
-    misplaced = misplaced || (t.defined() && detail::canonical(t.device()) != target);
-  }
+  const auto off = [&target](const at::Tensor& t) {
+    return t.defined() && detail::canonical(t.device()) != target;
+  };
+  const auto params = module_->parameters();
   auto buffers = module_->buffers();
-  for (const auto& t : buffers) {
-    misplaced = misplaced || (t.defined() && detail::canonical(t.device()) != target);
-  }
-  if (!misplaced) {
+  if (std::none_of(params.begin(), params.end(), off) &&
+      std::none_of(buffers.begin(), buffers.end(), off)) {
     return buffers;
   }
   if (options.place_module()) {
@@ -169,7 +167,7 @@ std::vector<at::Tensor> DataParallelImpl::ensure_placement() {
                            "\")), or construct DataParallel with "
                            "DataParallelOptions().place_module(true) to let it move the module "
                            "itself")));
-  return buffers; // not reached: find_misplaced sees what the loops above saw
+  return buffers; // not reached: find_misplaced sees what the checks above saw
 }
 
 NoSync::NoSync(DataParallelImpl& dp) : dp_(dp), previous_(dp.require_backward_grad_sync_) {
@@ -259,13 +257,14 @@ std::vector<at::Tensor> DataParallelImpl::run_here(std::vector<at::Tensor> input
     detail::check_chunks(sizes, n, device_ids_.size(), dim, kApi);
   }
   const std::vector<c10::Device> used(device_ids_.begin(), device_ids_.begin() + n);
-  if (options.cuda_graphs()) {
-    std::vector<std::vector<at::Tensor>> per_replica(n);
-    for (const auto i : c10::irange(n)) {
-      for (auto& c : chunks) {
-        per_replica[i].push_back(c[i]);
-      }
+  std::vector<std::vector<at::Tensor>> per_replica(n); // replica i's arguments
+  for (const auto i : c10::irange(n)) {
+    per_replica[i].reserve(chunks.size());
+    for (auto& c : chunks) {
+      per_replica[i].push_back(c[i]);
     }
+  }
+  if (options.cuda_graphs()) {
     auto outputs = run_graphed(per_replica, call);
     if (!outputs.empty()) {
       return outputs;
@@ -289,12 +288,7 @@ std::vector<at::Tensor> DataParallelImpl::run_here(std::vector<at::Tensor> input
     auto replicas = replicator_->replicate(used, /*detach=*/!c10::GradMode::is_enabled());
     parallel_run(n, used, [&](size_t i) {
       auto replica = wrap_(replicas[i]);
-      std::vector<at::Tensor> args;
-      args.reserve(chunks.size());
-      for (auto& c : chunks) {
-        args.push_back(c[i]);
-      }
-      outputs[i] = call(replica, args);
+      outputs[i] = call(replica, per_replica[i]);
     });
   } catch (...) {
     snapshot->restore();

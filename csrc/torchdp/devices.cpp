@@ -4,8 +4,7 @@
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
-
-#include <sstream>
+#include <c10/util/StringUtil.h>
 
 namespace torchdp {
 
@@ -103,13 +102,7 @@ void check_output_device(const std::vector<c10::Device>& devices, c10::Device ou
 }
 
 std::string devices_to_string(const std::vector<c10::Device>& devices) {
-  std::ostringstream os;
-  os << "[";
-  for (size_t i = 0; i < devices.size(); ++i) {
-    os << (i ? ", " : "") << devices[i];
-  }
-  os << "]";
-  return os.str();
+  return "[" + c10::Join(", ", devices) + "]";
 }
 
 } // namespace torchdp

@@ -10,7 +10,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <map>
 #include <string>
 #include <utility>
 
@@ -18,30 +17,6 @@ namespace torchdp::detail {
 namespace {
 
 constexpr const char* kApi = "torchdp::DataParallel (cuda_graphs)";
-
-std::vector<at::Tensor> values(const torch::OrderedDict<std::string, at::Tensor>& dict) {
-  std::vector<at::Tensor> out;
-  for (const auto& item : dict) {
-    out.push_back(item.value());
-  }
-  return out;
-}
-
-// The distinct tensors of `all`, and for each position the index of its tensor among them.
-std::vector<at::Tensor> distinct(const std::vector<at::Tensor>& all, std::vector<size_t>& index) {
-  std::vector<at::Tensor> out;
-  std::map<const void*, size_t> seen;
-  index.clear();
-  for (const auto& t : all) {
-    auto it = seen.find(t.unsafeGetTensorImpl());
-    if (it == seen.end()) {
-      it = seen.emplace(t.unsafeGetTensorImpl(), out.size()).first;
-      out.push_back(t);
-    }
-    index.push_back(it->second);
-  }
-  return out;
-}
 
 // Binds the slots to `views[index[k]]`; tensors shared in the module stay shared (one gradient).
 std::vector<at::Tensor> bind_slots(const std::vector<at::Tensor>& slots,
@@ -85,9 +60,7 @@ std::vector<int64_t> GraphedReplicas::current_layout() const {
     key.push_back(static_cast<int64_t>(reinterpret_cast<intptr_t>(t.data_ptr())));
     key.push_back(static_cast<int64_t>(t.scalar_type()));
     key.push_back(t.dim());
-    for (const auto size : t.sizes()) {
-      key.push_back(size);
-    }
+    key.insert(key.end(), t.sizes().begin(), t.sizes().end());
   };
   for (const auto& p : module_->parameters()) {
     add(p);
@@ -101,8 +74,8 @@ std::vector<int64_t> GraphedReplicas::current_layout() const {
 
 void GraphedReplicas::rebuild(size_t n) {
   std::vector<size_t> param_index, buffer_index;
-  auto params = distinct(module_->parameters(), param_index);
-  const auto buffers = distinct(module_->buffers(), buffer_index);
+  auto params = distinct(module_->parameters(), &param_index);
+  const auto buffers = distinct(module_->buffers(), &buffer_index);
   const auto storage = steps_.rebuild(params, buffers, n);
   Replicator replicator(module_);
   std::vector<c10::Device> used(devices_.begin(), devices_.begin() + static_cast<int64_t>(n));
@@ -111,8 +84,8 @@ void GraphedReplicas::rebuild(size_t n) {
     replicas_ = replicator.replicate(used, /*detach=*/true);
   }
   for (const auto j : c10::irange(n)) {
-    auto slots = values(replicas_[j]->named_parameters());
-    auto buffer_slots = values(replicas_[j]->named_buffers());
+    auto slots = replicas_[j]->parameters();
+    auto buffer_slots = replicas_[j]->buffers();
     TORCH_CHECK(slots.size() == param_index.size() && buffer_slots.size() == buffer_index.size(),
                 kApi, ": the replica on ", used[j], " has ", slots.size(), " parameters and ",
                 buffer_slots.size(), " buffers where the module has ", param_index.size(), " and ",

@@ -6,6 +6,7 @@
 #include <c10/util/Exception.h>
 
 #if TORCHDP_WITH_CUDA
+#include <torchdp/autograd/nodes.h>
 #include <torchdp/devices.h>
 
 #include <ATen/Functions.h>
@@ -26,7 +27,6 @@
 #include <map>
 #include <mutex>
 #include <sstream>
-#include <type_traits>
 #include <utility>
 #endif
 
@@ -38,21 +38,8 @@ namespace {
 
 constexpr int kWarmUp = 3;
 
-using torch::autograd::Edge;
-using torch::autograd::Node;
-using torch::autograd::variable_list;
-using NodePtr = decltype(torch::autograd::Edge::function);
+using namespace autograd::internal;
 using Flat = std::map<at::ScalarType, at::Tensor>;
-
-// Older torch holds autograd nodes by std::shared_ptr, newer by c10::intrusive_ptr.
-template <typename T>
-NodePtr make_node() {
-  if constexpr (std::is_same_v<NodePtr, std::shared_ptr<Node>>) {
-    return std::make_shared<T>();
-  } else {
-    return c10::make_intrusive<T>();
-  }
-}
 
 // One flat tensor per dtype on `device` holding `tensors` back to back; `views[i]`: tensors[i]'s.
 Flat make_flat(const std::vector<at::Tensor>& tensors, c10::Device device,
@@ -152,8 +139,8 @@ struct GraphedSteps::State {
   void warm_up(Capture& capture, const Forward& forward, size_t n);
   void record(Capture& capture, const Forward& forward, size_t n);
   std::vector<at::Tensor> call(const Forward& forward, size_t j, const Capture& capture) const;
-  std::vector<at::Tensor> replay(Capture& capture,
-                                 const std::vector<std::vector<at::Tensor>>& inputs);
+  std::vector<std::vector<at::Tensor>> replay(Capture& capture,
+                                              const std::vector<std::vector<at::Tensor>>& inputs);
 };
 
 namespace {
@@ -481,7 +468,7 @@ std::shared_ptr<Capture> GraphedSteps::State::capture(
   return capture;
 }
 
-std::vector<at::Tensor> GraphedSteps::State::replay(
+std::vector<std::vector<at::Tensor>> GraphedSteps::State::replay(
     Capture& capture, const std::vector<std::vector<at::Tensor>>& inputs) {
   c10::NoGradGuard no_grad;
   const size_t n = inputs.size();
@@ -497,10 +484,10 @@ std::vector<at::Tensor> GraphedSteps::State::replay(
     capture.forward[j]->replay();
   }
   ++capture.generation;
-  std::vector<at::Tensor> outputs;
+  std::vector<std::vector<at::Tensor>> outputs(n);
   for (const auto j : c10::irange(n)) {
     for (const auto& o : capture.static_out[j]) {
-      outputs.push_back(o.clone());
+      outputs[j].push_back(o.clone());
     }
   }
   return outputs;
@@ -620,28 +607,16 @@ std::optional<std::vector<std::vector<at::Tensor>>> GraphedSteps::run(
     }
   }
   s.refresh(n);
-  auto flat = s.replay(*capture, inputs);
-  std::vector<std::vector<at::Tensor>> outputs(n);
-  size_t k = 0;
-  for (const auto j : c10::irange(n)) {
-    for (const auto i : c10::irange(capture->static_out[j].size())) {
-      (void)i;
-      outputs[j].push_back(flat[k++]);
-    }
-  }
+  auto outputs = s.replay(*capture, inputs);
   if (!grad) {
     return outputs;
   }
-  variable_list edges_of;
+  variable_list sources; // the node's next edges: the inputs, then the parameters
   for (const auto& args : inputs) {
-    edges_of.insert(edges_of.end(), args.begin(), args.end());
+    sources.insert(sources.end(), args.begin(), args.end());
   }
-  edges_of.insert(edges_of.end(), capture->grad_params.begin(), capture->grad_params.end());
-  bool any = false;
-  for (const auto& t : edges_of) {
-    any = any || (t.defined() && t.requires_grad());
-  }
-  if (!any) {
+  sources.insert(sources.end(), capture->grad_params.begin(), capture->grad_params.end());
+  if (!any_requires_grad(sources)) {
     return outputs;
   }
   NodePtr node = make_node<GraphedBackward>();
@@ -652,17 +627,10 @@ std::optional<std::vector<std::vector<at::Tensor>>> GraphedSteps::run(
   backward->pending = std::make_shared<bool>(true);
   backward->n = n;
   capture->pending = backward->pending;
-  torch::autograd::edge_list edges;
-  for (const auto& t : edges_of) {
-    edges.push_back(t.requires_grad() ? torch::autograd::impl::gradient_edge(t) : Edge());
-  }
-  node->set_next_edges(std::move(edges));
+  node->set_next_edges(edges_of(sources));
   for (const auto j : c10::irange(n)) {
     for (const auto i : c10::irange(outputs[j].size())) {
-      const auto nr = node->add_input_metadata(outputs[j][i]);
-      if (capture->static_grad_out[j][i].defined()) {
-        torch::autograd::impl::set_gradient_edge(outputs[j][i], Edge(node, nr));
-      }
+      attach(node, outputs[j][i], capture->static_grad_out[j][i].defined());
     }
   }
   return outputs;

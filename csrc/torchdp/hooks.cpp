@@ -11,10 +11,6 @@ namespace torchdp {
 namespace detail {
 namespace {
 
-struct InstanceKey {
-  std::weak_ptr<torch::nn::Module> module;
-};
-
 struct Registry {
   std::mutex mutex;
   uint64_t next_id = 1;
@@ -38,7 +34,6 @@ PostReplicateHookHandle add(
   std::lock_guard<std::mutex> lock(r.mutex);
   const auto id = r.next_id++;
   auto entry = std::make_shared<HookEntry>();
-  entry->id = id;
   entry->description =
       "post-replicate hook #" + std::to_string(id) + " (" + description_suffix + ")";
   entry->matches = std::move(matches);

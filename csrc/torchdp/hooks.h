@@ -66,7 +66,6 @@ namespace detail {
 
 /// One registered hook.
 struct HookEntry {
-  uint64_t id;
   std::string description; // e.g. "post-replicate hook #3 (type MaskedLinearImpl)"
   std::function<bool(const torch::nn::Module&)> matches;
   PostReplicateHook fn;

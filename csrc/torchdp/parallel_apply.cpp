@@ -180,13 +180,9 @@ bool needs_guard(c10::Device device) {
   return !device.is_cpu() && !device.is_meta() && c10::impl::hasDeviceGuardImpl(device.type());
 }
 
-std::string device_label(c10::Device device) {
-  return device.str();
-}
-
 // Rethrows `error` of replica `index` with PyTorch's "Caught ..." wording and c10::Error class.
 [[noreturn]] void rethrow_wrapped(std::exception_ptr error, size_t index, c10::Device device) {
-  const auto where = " in replica " + std::to_string(index) + " on device " + device_label(device);
+  const auto where = " in replica " + std::to_string(index) + " on device " + device.str();
   try {
     std::rethrow_exception(error);
   } catch (const std::exception& e) {
@@ -254,21 +250,6 @@ struct Run {
   Latch latch;
 };
 
-class InWorker {
- public:
-  InWorker() : was_(in_worker) {
-    in_worker = true;
-  }
-  ~InWorker() {
-    in_worker = was_;
-  }
-  InWorker(const InWorker&) = delete;
-  InWorker& operator=(const InWorker&) = delete;
-
- private:
-  bool was_;
-};
-
 bool inline_run(size_t n) {
   return n <= 1 || in_worker;
 }
@@ -299,11 +280,11 @@ std::shared_ptr<Run> start(size_t n, const std::vector<c10::Device>& devices,
           run->latch.count_down();
         });
   }
-  {
-    // Task 0 runs here: parallel_run calls nested in it run inline, as in the workers' tasks.
-    const InWorker inline_nested;
-    run->run_one(0);
-  }
+  // Task 0 runs here: parallel_run calls nested in it run inline, as in the workers' tasks
+  // (run_one keeps the task's error, so the flag is always reset; it was false, see inline_run).
+  in_worker = true;
+  run->run_one(0);
+  in_worker = false;
   return run;
 }
 

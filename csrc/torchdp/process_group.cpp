@@ -1,6 +1,7 @@
 #include <torchdp/process_group.h>
 
 #if TORCHDP_WITH_C10D
+#include <torchdp/replicate.h>
 
 #include <ATen/Context.h>
 #include <ATen/Functions.h>
@@ -38,17 +39,6 @@ namespace torchdp::detail {
 namespace {
 
 using torch::autograd::Edge;
-
-std::vector<at::Tensor> unique(const std::vector<at::Tensor>& tensors) {
-  std::unordered_set<const c10::TensorImpl*> seen;
-  std::vector<at::Tensor> out;
-  for (const auto& t : tensors) {
-    if (seen.insert(t.unsafeGetTensorImpl()).second) {
-      out.push_back(t);
-    }
-  }
-  return out;
-}
 
 // A stable 63-bit FNV-1a hash of the text (the same in every process).
 int64_t text_hash(const std::string& text) {
@@ -122,8 +112,8 @@ struct ProcessGroupSync::Layout {
   void reduce() {
     at::NoGradGuard no_grad;
     const double world = static_cast<double>(group->getSize());
+    std::vector<c10::intrusive_ptr<c10d::Work>> works; // waited for once all are queued
     struct Pending {
-      c10::intrusive_ptr<c10d::Work> work;
       at::Tensor flat; // the gradients, then one "has a gradient here" flag per member
       int64_t numel = 0;
       std::vector<size_t> members;
@@ -158,12 +148,11 @@ struct ProcessGroupSync::Layout {
       entry.flat.narrow(0, 0, entry.numel).div_(world);
       std::vector<at::Tensor> one{entry.flat};
       collective(api, [&] {
-        entry.work = group->allreduce(one);
+        works.push_back(group->allreduce(one));
       });
       pending.push_back(std::move(entry));
     }
     at::Tensor sparse_used;
-    c10::intrusive_ptr<c10d::Work> sparse_work;
     bool sparse_missing = false;
     if (!sparse.empty()) {
       std::vector<double> flags;
@@ -176,7 +165,7 @@ struct ProcessGroupSync::Layout {
                         .to(params[sparse.front()].device());
       std::vector<at::Tensor> one{sparse_used};
       collective(api, [&] {
-        sparse_work = group->allreduce(one);
+        works.push_back(group->allreduce(one));
       });
     }
     std::vector<std::pair<size_t, at::Tensor>> sparse_writes;
@@ -197,14 +186,9 @@ struct ProcessGroupSync::Layout {
       });
       sparse_writes.emplace_back(k, one[0]);
     }
-    for (auto& p : pending) {
+    for (auto& work : works) {
       collective(api, [&] {
-        p.work->wait();
-      });
-    }
-    if (sparse_work) {
-      collective(api, [&] {
-        sparse_work->wait();
+        work->wait();
       });
     }
     // All reduced. Only a process lacking a gradient reads the flags, as that waits for the device.
@@ -228,13 +212,11 @@ struct ProcessGroupSync::Layout {
         }
       }
     }
-    if (!sparse.empty()) {
-      const auto used = sparse_missing ? sparse_used.to(at::kDouble).cpu() : at::Tensor();
-      for (const auto i : c10::irange(sparse_writes.size())) {
-        auto& [k, g] = sparse_writes[i];
-        if (params[k].grad().defined() || used.data_ptr<double>()[i] != 0) {
-          writes.emplace_back(k, std::move(g));
-        }
+    const auto used = sparse_missing ? sparse_used.to(at::kDouble).cpu() : at::Tensor();
+    for (const auto i : c10::irange(sparse_writes.size())) {
+      auto& [k, g] = sparse_writes[i];
+      if (params[k].grad().defined() || used.data_ptr<double>()[i] != 0) {
+        writes.emplace_back(k, std::move(g));
       }
     }
     for (auto& [k, g] : writes) {
@@ -343,29 +325,27 @@ void ProcessGroupSync::agree(const std::vector<at::Tensor>& params,
   }
   TORCH_CHECK(sparse.empty() || sparse.size() == params.size(), api_, ": ", sparse.size(),
               " sparse flags for ", params.size(), " parameters");
-  TORCH_CHECK(unique(params).size() == params.size(), api_,
+  TORCH_CHECK(distinct(params).size() == params.size(), api_,
               ": the parameters hold a tensor twice; pass each parameter once");
   at::NoGradGuard no_grad;
-  const auto unique_buffers = unique(buffers);
+  const auto unique_buffers = distinct(buffers);
   // Even with nothing to compare: the other processes wait for this one's check.
   check_same_module(params, unique_buffers);
   auto all = params;
   all.insert(all.end(), unique_buffers.begin(), unique_buffers.end());
   broadcast(all);
-  std::vector<std::tuple<bool, c10::ScalarType, c10::Device>> kinds;
-  kinds.reserve(params.size());
-  for (const auto& p : params) {
-    kinds.emplace_back(p.requires_grad(), p.scalar_type(), p.device());
-  }
   synced_params_ = params;
   synced_sparse_ = sparse.empty() ? std::vector<bool>(params.size(), false) : sparse;
-  synced_kinds_ = std::move(kinds);
+  synced_kinds_.clear();
+  for (const auto& p : params) {
+    synced_kinds_.emplace_back(p.requires_grad(), p.scalar_type(), p.device());
+  }
   state_synced_ = true;
   layout_.reset(); // made again at the next watch(), from these parameters
 }
 
 void ProcessGroupSync::before_forward(const torch::nn::Module& module, bool buffers) {
-  const auto params = unique(module.parameters());
+  const auto params = distinct(module.parameters());
   if (!agreed(params)) {
     std::unordered_set<const c10::TensorImpl*> sparse_weights;
     for (const auto& m : module.modules()) {
@@ -383,7 +363,7 @@ void ProcessGroupSync::before_forward(const torch::nn::Module& module, bool buff
     }
     agree(params, module.buffers(), sparse);
   } else if (buffers) {
-    broadcast(unique(module.buffers()));
+    broadcast(distinct(module.buffers()));
   }
 }
 
@@ -475,21 +455,17 @@ std::shared_ptr<ProcessGroupSync::Layout> ProcessGroupSync::layout_of(size_t buc
   if (layout_ && layout_->size == bucket_bytes) {
     return layout_;
   }
-  std::vector<at::Tensor> params;
+  auto layout = std::make_shared<Layout>();
+  layout->size = bucket_bytes;
+  layout->group = group_;
+  layout->api = api_;
   std::vector<bool> sparse;
   for (const auto i : c10::irange(synced_params_.size())) {
     if (std::get<0>(synced_kinds_[i])) { // requires_grad
-      params.push_back(synced_params_[i]);
+      layout->params.push_back(synced_params_[i]);
+      layout->accumulators.push_back(torch::autograd::impl::gradient_edge(synced_params_[i]));
       sparse.push_back(synced_sparse_[i]);
     }
-  }
-  auto layout = std::make_shared<Layout>();
-  layout->size = bucket_bytes;
-  layout->params = std::move(params);
-  layout->group = group_;
-  layout->api = api_;
-  for (const auto& p : layout->params) {
-    layout->accumulators.push_back(torch::autograd::impl::gradient_edge(p));
   }
   // Reverse registration order, one open bucket per device and dtype, at most bucket_bytes each.
   std::map<std::tuple<c10::DeviceType, c10::DeviceIndex, c10::ScalarType>,

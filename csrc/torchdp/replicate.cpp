@@ -14,8 +14,8 @@
 #include <c10/util/irange.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <algorithm>
 #include <mutex>
-#include <sstream>
 #include <typeinfo>
 #include <unordered_map>
 #include <unordered_set>
@@ -34,13 +34,6 @@ std::string join(const std::string& prefix, const std::string& name) {
 
 std::string where(const std::string& path) {
   return path.empty() ? std::string("<root>") : path;
-}
-
-std::string message_of(const std::exception& e) {
-  if (const auto* c10e = dynamic_cast<const c10::Error*>(&e)) {
-    return c10e->what_without_backtrace();
-  }
-  return e.what();
 }
 
 // One module position of the original, in pre-order (children in registration order).
@@ -152,7 +145,8 @@ std::shared_ptr<Module> clone_skeleton(const Replicator::CloneFn& clone, const M
     TORCH_CHECK(copy != nullptr, "clone() returned null");
     return copy;
   } catch (const std::exception& e) {
-    const auto message = message_of(e);
+    const auto* c10e = dynamic_cast<const c10::Error*>(&e);
+    const std::string message = c10e != nullptr ? c10e->what_without_backtrace() : e.what();
     const bool meta = message.find("incompatible tensor type") != std::string::npos;
     TORCH_CHECK(false, kApi, ": cannot replicate module of type ", original.name(),
                 ": building a replica with clone() failed: ", message,
@@ -162,12 +156,6 @@ std::shared_ptr<Module> clone_skeleton(const Replicator::CloneFn& clone, const M
                 "\ntorchdp builds each replica once with clone(): derive the module and each of "
                 "its submodules from torch::nn::Cloneable<YourImpl> and implement reset(), which "
                 "must register every parameter, buffer and submodule");
-  }
-}
-
-void clear_leaf_requires_grad(at::Tensor& t) {
-  if (t.defined() && t.is_leaf() && t.requires_grad()) {
-    t.set_requires_grad(false);
   }
 }
 
@@ -205,15 +193,16 @@ ReplicaSet build(const Walk& w, const std::vector<c10::Device>& devices,
                     spec.is_param ? "parameter '" : "buffer '", spec.name, "' as ",
                     found->defined() ? "a tensor" : "undefined", " but the original has it ",
                     w.tensors[s].defined() ? "defined" : "undefined");
-        slots[s] = *found;
-        clear_leaf_requires_grad(slots[s]);
-      }
-    }
-    // Freed now (replaced at the first rebind): n skeletons never hold n copies of the module.
-    for (auto& slot : slots) {
-      if (slot.defined()) {
-        slot.unsafeGetTensorImpl()->shallow_copy_from(
-            at::empty({0}, slot.options()).getIntrusivePtr());
+        auto& slot = slots[s];
+        slot = *found;
+        if (slot.defined()) {
+          if (slot.is_leaf() && slot.requires_grad()) {
+            slot.set_requires_grad(false);
+          }
+          // Freed now, replaced at the first rebind: n skeletons never hold n copies of the module.
+          slot.unsafeGetTensorImpl()->shallow_copy_from(
+              at::empty({0}, slot.options()).getIntrusivePtr());
+        }
       }
     }
     // Training flags: pre-order, so each module ends with its own original's flag.
@@ -254,7 +243,6 @@ void rebind(at::Tensor& slot, const at::Tensor& value) {
 
 struct Replicator::State {
   std::weak_ptr<Module> module;
-  Module* raw = nullptr;
   CloneFn clone;
   std::mutex mutex;
   std::vector<ReplicaSet> sets; // most recently used last
@@ -265,7 +253,6 @@ Replicator::Replicator(std::shared_ptr<Module> module, CloneFn clone)
     : state_(std::make_unique<State>()) {
   TORCH_CHECK(module != nullptr, kApi, ": the module is null");
   state_->module = module;
-  state_->raw = module.get();
   if (clone) {
     state_->clone = std::move(clone);
   } else {
@@ -408,11 +395,10 @@ std::vector<std::shared_ptr<Module>> Replicator::replicate(
                        static_cast<int64_t>(j), *contexts[p]);
             } catch (...) {
               // The hook's exception class is kept (c10::ValueError stays one).
-              std::ostringstream prefix;
-              prefix << kApi << ": " << hook->description << " failed on module '"
-                     << where(w.positions[p].path) << "' (type " << w.positions[p].original->name()
-                     << ") of replica " << j << " on device " << devices[j] << ": ";
-              detail::rethrow_with_prefix(prefix.str());
+              detail::rethrow_with_prefix(
+                  c10::str(kApi, ": ", hook->description, " failed on module '",
+                           where(w.positions[p].path), "' (type ", w.positions[p].original->name(),
+                           ") of replica ", j, " on device ", devices[j], ": "));
             }
           }
         }
@@ -435,18 +421,31 @@ std::vector<std::shared_ptr<Module>> Replicator::replicate(
     }
   } catch (...) {
     // A half-refreshed or hook-modified skeleton is never reused.
-    for (auto it = state_->sets.begin(); it != state_->sets.end(); ++it) {
-      if (&*it == set) {
-        state_->sets.erase(it);
-        break;
-      }
-    }
+    state_->sets.erase(state_->sets.begin() + (set - state_->sets.data()));
     throw;
   }
   return set->roots;
 }
 
 namespace detail {
+std::vector<at::Tensor> distinct(const std::vector<at::Tensor>& all, std::vector<size_t>* index) {
+  std::vector<at::Tensor> out;
+  std::unordered_map<const c10::TensorImpl*, size_t> seen;
+  if (index != nullptr) {
+    index->clear();
+  }
+  for (const auto& t : all) {
+    const auto [it, fresh] = seen.emplace(t.unsafeGetTensorImpl(), out.size());
+    if (fresh) {
+      out.push_back(t);
+    }
+    if (index != nullptr) {
+      index->push_back(it->second);
+    }
+  }
+  return out;
+}
+
 void move_module(Module& module, c10::Device device) {
   const auto target = canonical(device);
   std::unordered_set<const c10::TensorImpl*> moved;
@@ -586,12 +585,10 @@ void BufferSnapshot::take(const std::vector<at::Tensor>& tensors) {
     std::vector<std::pair<c10::Device, c10::ScalarType>> keys;
     for (const auto& t : tensors_) {
       copies_.push_back(at::empty(t.sizes(), t.options()));
-      size_t g = 0;
-      while (g < keys.size() && keys[g] != std::make_pair(t.device(), t.scalar_type())) {
-        ++g;
-      }
+      const auto key = std::make_pair(t.device(), t.scalar_type());
+      const auto g = static_cast<size_t>(std::find(keys.begin(), keys.end(), key) - keys.begin());
       if (g == keys.size()) {
-        keys.emplace_back(t.device(), t.scalar_type());
+        keys.push_back(key);
         groups_.emplace_back();
       }
       groups_[g].sources.push_back(t);

@@ -123,6 +123,10 @@ class BufferSnapshot {
 };
 
 namespace detail {
+/// The distinct tensors of `all` (by TensorImpl), in order of first appearance; `index`, when
+/// given, gets for each of `all` the position of its tensor among them.
+std::vector<at::Tensor> distinct(const std::vector<at::Tensor>& all,
+                                 std::vector<size_t>* index = nullptr);
 /// module->to(device) in place, also between backends set_data() refuses to mix (cpu and meta).
 /// Parameters stay the same tensors (and leaves); their gradients move along.
 void move_module(torch::nn::Module& module, c10::Device device);

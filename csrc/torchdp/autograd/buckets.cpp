@@ -41,12 +41,6 @@ constexpr uint64_t kRunWhenReady = std::numeric_limits<uint64_t>::max();
 
 thread_local std::optional<size_t> bucket_size_override;
 
-// Bytes of `mib` MiB, clamped to 2^62 so that huge sizes do not overflow the conversion.
-size_t mib_to_bytes(double mib) {
-  constexpr double kMaxBytes = static_cast<double>(uint64_t{1} << 62);
-  return static_cast<size_t>(std::min(mib * 1024 * 1024, kMaxBytes));
-}
-
 std::optional<c10::Stream> reduction_stream(c10::Device device) {
   if (!device.is_cuda()) {
     return std::nullopt;
@@ -359,7 +353,9 @@ size_t bucket_bytes_from_mib(double mib, const char* api) {
                     ": bucket_cap_mb must be a non-negative number of MiB (0: one bucket, reduced "
                     "after the whole backward pass), got ",
                     mib);
-  return mib_to_bytes(mib);
+  // Clamped to 2^62 bytes so that huge sizes do not overflow the conversion.
+  constexpr double kMaxBytes = static_cast<double>(uint64_t{1} << 62);
+  return static_cast<size_t>(std::min(mib * 1024 * 1024, kMaxBytes));
 }
 
 } // namespace torchdp::autograd

@@ -183,7 +183,6 @@ at::Tensor gather(at::TensorList inputs_in, c10::Device destination, int64_t dim
     all_scalars = all_scalars && t.dim() == 0;
   }
   std::vector<at::Tensor> inputs(inputs_in.begin(), inputs_in.end());
-  bool unsqueezed = false;
   if (all_scalars) {
     TORCH_CHECK(dim == 0, api,
                 ": all inputs are 0-dim tensors, which can only be gathered along "
@@ -196,7 +195,6 @@ at::Tensor gather(at::TensorList inputs_in, c10::Device destination, int64_t dim
     for (auto& t : inputs) {
       t = t.view({1});
     }
-    unsqueezed = true;
   }
   auto output = comm::gather(inputs, destination, dim);
   if (!any_requires_grad(inputs_in)) {
@@ -209,7 +207,7 @@ at::Tensor gather(at::TensorList inputs_in, c10::Device destination, int64_t dim
     devices.push_back(detail::canonical(t.device()));
     sizes.push_back(t.size(wrapped));
   }
-  auto node = make_node<GatherBackward>(devices, sizes, wrapped, unsqueezed);
+  auto node = make_node<GatherBackward>(devices, sizes, wrapped, /*unsqueezed=*/all_scalars);
   node->set_next_edges(edges_of(inputs_in));
   attach(node, output, true);
   return output;

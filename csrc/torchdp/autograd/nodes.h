@@ -1,6 +1,6 @@
 #pragma once
 
-// What the autograd nodes of nodes.cpp and buckets.cpp share. Internal, not public API.
+// What torchdp's autograd nodes share (nodes.cpp, buckets.cpp, graphed_steps.cpp). Internal.
 #include <ATen/core/Tensor.h>
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/function.h>

@@ -12,6 +12,7 @@
 #include <c10/util/Exception.h>
 #include <c10/util/irange.h>
 
+#include <algorithm>
 #include <map>
 
 namespace torchdp::comm {
@@ -25,11 +26,8 @@ namespace {
 struct Bucket {
   std::vector<size_t> indices;
   size_t bytes = 0;
+  int64_t numel = 0;
 };
-
-bool is_plain_dense(const at::Tensor& t) {
-  return t.layout() == c10::kStrided;
-}
 
 std::vector<Bucket> make_buckets(const std::vector<at::Tensor>& tensors, size_t buffer_size,
                                  std::vector<size_t>& singles) {
@@ -37,7 +35,7 @@ std::vector<Bucket> make_buckets(const std::vector<at::Tensor>& tensors, size_t 
   std::map<at::ScalarType, Bucket> open;
   for (const auto i : c10::irange(tensors.size())) {
     const auto& t = tensors[i];
-    if (!is_plain_dense(t)) {
+    if (t.layout() != c10::kStrided) {
       singles.push_back(i);
       continue;
     }
@@ -49,6 +47,7 @@ std::vector<Bucket> make_buckets(const std::vector<at::Tensor>& tensors, size_t 
     }
     bucket.indices.push_back(i);
     bucket.bytes += bytes;
+    bucket.numel += t.numel();
   }
   for (auto& entry : open) {
     if (!entry.second.indices.empty()) {
@@ -86,11 +85,8 @@ at::Tensor flatten(const std::vector<at::Tensor>& tensors, const Bucket& bucket,
     return flat;
   }
   const auto& first = tensors[bucket.indices[0]];
-  int64_t total = 0;
-  for (auto i : bucket.indices) {
-    total += tensors[i].numel();
-  }
-  auto flat = at::empty({total}, first.options().memory_format(c10::MemoryFormat::Contiguous));
+  auto flat =
+      at::empty({bucket.numel}, first.options().memory_format(c10::MemoryFormat::Contiguous));
   std::vector<at::Tensor> destinations, sources;
   destinations.reserve(bucket.indices.size());
   sources.reserve(bucket.indices.size());
@@ -125,12 +121,9 @@ void broadcast_direct(const std::vector<at::Tensor>& inputs, const std::vector<B
   std::vector<at::Tensor> sources;
   std::vector<std::vector<at::Tensor>> destinations(devices.size());
   for (const auto& bucket : buckets) {
-    int64_t total = 0;
-    for (auto i : bucket.indices) {
-      total += inputs[i].numel();
-    }
     for (size_t j = 1; j < devices.size(); ++j) {
-      const auto flat = at::empty({total}, inputs[bucket.indices[0]].options().device(devices[j]));
+      const auto flat =
+          at::empty({bucket.numel}, inputs[bucket.indices[0]].options().device(devices[j]));
       unflatten_into(flat, inputs, bucket, outputs[j]);
     }
     for (auto i : bucket.indices) {
@@ -189,13 +182,11 @@ std::vector<std::vector<at::Tensor>> broadcast_coalesced(at::TensorList tensors,
   at::NoGradGuard no_grad;
 
   const std::vector<at::Tensor> inputs(tensors.begin(), tensors.end());
-  std::vector<std::vector<at::Tensor>> outputs(devices.size());
+  std::vector<std::vector<at::Tensor>> outputs(devices.size(),
+                                               std::vector<at::Tensor>(inputs.size()));
   outputs[0] = inputs;
   if (devices.size() == 1) {
     return outputs;
-  }
-  for (size_t j = 1; j < devices.size(); ++j) {
-    outputs[j].resize(inputs.size());
   }
 
   std::vector<size_t> singles;
@@ -262,13 +253,8 @@ std::vector<at::Tensor> reduce_add_coalesced(const std::vector<std::vector<at::T
   std::vector<size_t> singles;
   const auto buckets = make_buckets(first, buffer_size, singles);
 #if TORCHDP_WITH_NCCL
-  size_t root = devices.size();
-  for (const auto j : c10::irange(devices.size())) {
-    if (devices[j] == destination) {
-      root = j;
-      break;
-    }
-  }
+  const auto root =
+      static_cast<size_t>(std::find(devices.begin(), devices.end(), destination) - devices.begin());
   const bool nccl_devices = root < devices.size() && nccl::usable(devices);
 #endif
   for (const auto& bucket : buckets) {
@@ -291,11 +277,7 @@ std::vector<at::Tensor> reduce_add_coalesced(const std::vector<std::vector<at::T
       continue;
     }
 #endif
-    if (first_fresh && devices[0] == destination) {
-      sum = flats[0];
-    } else {
-      sum = copy_to(flats[0], destination);
-    }
+    sum = first_fresh && devices[0] == destination ? flats[0] : copy_to(flats[0], destination);
     for (size_t j = 1; j < flats.size(); ++j) {
       sum.add_(move_to(flats[j], destination));
     }

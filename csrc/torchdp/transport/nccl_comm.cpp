@@ -14,6 +14,7 @@
 #include <exception>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <unordered_set>
 
@@ -45,7 +46,8 @@ std::vector<ncclComm_t>& communicators(const std::vector<c10::Device>& devices) 
   return it->second;
 }
 
-ncclDataType_t reduce_type(at::ScalarType t) {
+// The NCCL type that ncclReduce sums `t` as; none where NCCL cannot reduce it.
+std::optional<ncclDataType_t> reduce_type(at::ScalarType t) {
   switch (t) {
     case at::kFloat:
       return ncclFloat32;
@@ -64,7 +66,7 @@ ncclDataType_t reduce_type(at::ScalarType t) {
     case at::kByte:
       return ncclUint8;
     default:
-      TORCH_CHECK(false, "torchdp: NCCL cannot reduce dtype ", t);
+      return std::nullopt;
   }
 }
 
@@ -103,19 +105,7 @@ bool usable(const std::vector<c10::Device>& devices) {
 }
 
 bool reduce_supports(at::ScalarType dtype) {
-  switch (dtype) {
-    case at::kFloat:
-    case at::kDouble:
-    case at::kHalf:
-    case at::kBFloat16:
-    case at::kInt:
-    case at::kLong:
-    case at::kChar:
-    case at::kByte:
-      return true;
-    default:
-      return false;
-  }
+  return reduce_type(dtype).has_value();
 }
 
 void broadcast_each(const std::vector<at::Tensor>& sources,
@@ -156,7 +146,9 @@ void reduce(const std::vector<at::Tensor>& inputs, at::Tensor& output, size_t ro
   if (count == 0) {
     return;
   }
-  const auto type = reduce_type(inputs[0].scalar_type());
+  const auto supported = reduce_type(inputs[0].scalar_type());
+  TORCH_CHECK(supported.has_value(), "torchdp: NCCL cannot reduce dtype ", inputs[0].scalar_type());
+  const ncclDataType_t type = *supported;
   for (const auto j : c10::irange(devices.size())) {
     TORCH_INTERNAL_ASSERT(inputs[j].is_contiguous() &&
                           static_cast<size_t>(inputs[j].numel()) == count);
