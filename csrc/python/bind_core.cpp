@@ -40,6 +40,14 @@ struct PythonError {
   py::object type;
   py::object value;
   py::object trace;
+
+  // Raises it again when set (with the GIL held).
+  void raise_if_set() {
+    if (type) {
+      PyErr_Restore(type.release().ptr(), value.release().ptr(), trace.release().ptr());
+      throw py::error_already_set();
+    }
+  }
 };
 
 // Note [Serial replicas]
@@ -84,11 +92,7 @@ py::list run_serially(const std::vector<py::function>& fns,
     }
   }
   for (auto& error : errors) {
-    if (error.type) {
-      PyErr_Restore(error.type.release().ptr(), error.value.release().ptr(),
-                    error.trace.release().ptr());
-      throw py::error_already_set();
-    }
+    error.raise_if_set();
   }
   py::list out;
   for (auto& result : results) {
@@ -206,18 +210,9 @@ TORCHDP_CATCHES_FORCED_UNWIND py::list parallel_apply(const std::vector<py::func
     }
     no_gil.reacquire();
   }
-  if (interrupt.type) {
-    PyErr_Restore(interrupt.type.release().ptr(), interrupt.value.release().ptr(),
-                  interrupt.trace.release().ptr());
-    throw py::error_already_set();
-  }
+  interrupt.raise_if_set();
   for (size_t i = 0; i < n; ++i) {
-    auto& error = state->python_errors[i];
-    if (error.type) {
-      PyErr_Restore(error.type.release().ptr(), error.value.release().ptr(),
-                    error.trace.release().ptr());
-      throw py::error_already_set();
-    }
+    state->python_errors[i].raise_if_set();
   }
   for (auto& result : state->results) {
     out.append(std::move(result));

@@ -169,7 +169,6 @@ void wire_with_setattr(const ModuleEntry& e, size_t i, const std::vector<py::lis
 // builds them with dictionary operations and re-derives each replica's call: _initialize(), or
 // torchdp._compiled.rebind_compiled_call; replicas share dynamo's cache, so nothing recompiles.
 void recompile_replicas(const Network& net, const std::vector<py::list>& copies) {
-  const auto& r = refs();
   py::object rebind;
   for (const auto i : c10::irange(net.modules.size())) {
     const auto& e = net.modules[i];
@@ -178,17 +177,8 @@ void recompile_replicas(const Network& net, const std::vector<py::list>& copies)
         py::handle(list[i]).attr("_initialize")();
       }
     }
-    if (!e.dict || !PyDict_Check(e.dict.ptr())) {
-      continue;
-    }
-    PyObject* compiled = PyDict_GetItemWithError(e.dict.ptr(), r.key_compiled_call); // borrowed
+    PyObject* compiled = compiled_call(e);
     if (compiled == nullptr) {
-      if (PyErr_Occurred()) {
-        throw py::error_already_set();
-      }
-      continue;
-    }
-    if (compiled == Py_None) {
       continue;
     }
     if (!rebind) {

@@ -75,18 +75,18 @@ bool registration_hooks_installed() {
   return false;
 }
 
-bool has_compiled_call(const ModuleEntry& e) {
+} // namespace
+
+PyObject* compiled_call(const ModuleEntry& e) {
   if (!e.dict || !PyDict_Check(e.dict.ptr())) {
-    return false;
+    return nullptr;
   }
   PyObject* compiled = PyDict_GetItemWithError(e.dict.ptr(), refs().key_compiled_call); // borrowed
   if (compiled == nullptr && PyErr_Occurred()) {
     throw py::error_already_set();
   }
-  return compiled != nullptr && compiled != Py_None;
+  return compiled == Py_None ? nullptr : compiled;
 }
-
-} // namespace
 
 PyObject* interned(const char* text) {
   PyObject* s = PyUnicode_InternFromString(text);
@@ -262,7 +262,8 @@ void prepare(Source& s, py::handle network, const std::vector<c10::Device>& devi
   check_replicatable(s.net, s.types);
   s.fast = !registration_hooks_installed();
   for (const auto& e : s.net.modules) {
-    s.plain_only = s.plain_only && dict_ops(s, e) && !e.type->optimized && !has_compiled_call(e);
+    s.plain_only =
+        s.plain_only && dict_ops(s, e) && !e.type->optimized && compiled_call(e) == nullptr;
     s.keepable = s.keepable && !e.type->slots;
   }
   auto [params, buffers] = parameters_and_buffers(network, s.net);

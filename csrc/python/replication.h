@@ -178,6 +178,9 @@ struct Source {
   bool keepable = true;
 };
 
+// The module.compile() call in a module's instance __dict__ (borrowed), or null.
+PyObject* compiled_call(const ModuleEntry& e);
+
 inline bool dict_ops(const Source& s, const ModuleEntry& e) {
   return e.plain && (s.fast || e.type->optimized);
 }
