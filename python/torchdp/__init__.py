@@ -16,8 +16,8 @@ def _check_torch_version() -> None:
         raise ImportError(
             f"torchdp was built against torch {torch_version} (CUDA {cuda_version or 'none'}), "
             f"but torch {torch.__version__} (CUDA {torch.version.cuda or 'none'}) is installed. "
-            f"Install torch=={torch_version}, or rebuild torchdp against this torch: "
-            "pip install -v --no-build-isolation --force-reinstall --no-deps <torchdp source folder>"
+            f"Install torch=={torch_version}, or rebuild torchdp against this torch: pip install "
+            "-v --no-build-isolation --force-reinstall --no-deps <torchdp source folder>"
         )
 
 

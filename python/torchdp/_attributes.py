@@ -3,9 +3,10 @@ a replica's plain tensor attributes and lists of submodules still hold the origi
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import threading
 import warnings
-import copy
 from collections import deque
 from collections.abc import Sequence
 from typing import Any
@@ -17,9 +18,9 @@ __all__ = [
     "STALE_ATTRIBUTE_POLICIES",
     "check_stale_attribute_policy",
     "fix_stale_attributes",
-    "internal_keys",
     "map_state",
-    "may_hold_state",
+    "module_paths",
+    "plain_attributes",
 ]
 
 STALE_ATTRIBUTE_POLICIES = ("move", "warn", "error")
@@ -27,14 +28,25 @@ STALE_ATTRIBUTE_POLICIES = ("move", "warn", "error")
 _INTERNAL_KEYS = frozenset(nn.Module().__dict__) | {"_former_parameters", "_is_replica"}
 
 _MAX_DEPTH = 4
+_STATE_TYPES = (torch.Tensor, nn.Module, list, tuple, dict, deque)  # what map_state looks into
 
 _warned: set[tuple[str, str]] = set()
 _warned_lock = threading.Lock()
 
 
-def internal_keys() -> frozenset[str]:
-    """The keys of a module's ``__dict__`` that are nn.Module's or replicate's, not user state."""
-    return _INTERNAL_KEYS
+def module_paths(network: nn.Module) -> dict[int, str]:
+    """Qualified names in network.named_modules() order; the first name of a shared module wins."""
+    return {id(m): name for name, m in network.named_modules()}
+
+
+def plain_attributes(module: nn.Module) -> list[str]:
+    """The keys of ``module.__dict__`` that are user state (not nn.Module's or replicate's) and
+    may hold tensors or modules."""
+    return [
+        k
+        for k, v in module.__dict__.items()
+        if k not in _INTERNAL_KEYS and isinstance(v, _STATE_TYPES)
+    ]
 
 
 def check_stale_attribute_policy(policy: Any, api: str) -> str | None:
@@ -47,29 +59,19 @@ def check_stale_attribute_policy(policy: Any, api: str) -> str | None:
     )
 
 
+@dataclasses.dataclass
 class _Replica:
     """Resolves the network's modules and registered tensors to one replica's copies."""
 
-    def __init__(
-        self,
-        replica_modules: list[nn.Module],
-        module_index: dict[int, int],
-        tensor_index: dict[int, tuple[int, str]],
-        device: torch.device,
-        source: torch.device,
-    ) -> None:
-        self.replica_modules = replica_modules
-        self.module_index = module_index
-        self.tensor_index = tensor_index
-        self.device = device
-        self.source = source
-        self.found: list[str] = []  # descriptions of what is stale, for the message
+    replica_modules: list[nn.Module]
+    module_index: dict[int, int]
+    tensor_index: dict[int, tuple[int, str]]
+    device: torch.device
+    source: torch.device
+    found: list[str] = dataclasses.field(default_factory=list)  # what is stale, for the message
 
-    def fix(self, value: Any, where: str, depth: int) -> Any:
-        """``value`` with its stale parts replaced (the same object when nothing is stale)."""
-        return map_state(value, self._fix_leaf, where, depth)
-
-    def _fix_leaf(self, value: Any, where: str) -> Any:
+    def fix(self, value: Any, where: str) -> Any:
+        """The map_state leaf: this replica's own copy of a stale tensor or module."""
         if isinstance(value, torch.Tensor):
             if value.device != self.source:
                 return value
@@ -93,15 +95,18 @@ def map_state(value: Any, leaf: Any, where: str, depth: int = 0) -> Any:
         return leaf(value, where)
     if depth >= _MAX_DEPTH:
         return value
-    if type(value) is list or type(value) is tuple or _is_namedtuple(value):
+    cls = type(value)
+    if cls is list or cls is tuple or _is_namedtuple(value) or isinstance(value, deque):
         items = [map_state(v, leaf, f"{where}[{i}]", depth + 1) for i, v in enumerate(value)]
         if all(a is b for a, b in zip(items, value, strict=True)):
             return value
-        if type(value) is list:
+        if cls is list:
             return items
-        if type(value) is tuple:
+        if cls is tuple:
             return tuple(items)
-        return type(value)(*items)
+        if isinstance(value, deque):
+            return cls(items, maxlen=value.maxlen)
+        return cls(*items)
     if isinstance(value, dict):
         pairs = [(k, map_state(v, leaf, f"{where}[{k!r}]", depth + 1)) for k, v in value.items()]
         if all(new is value[k] for k, new in pairs):
@@ -109,21 +114,11 @@ def map_state(value: Any, leaf: Any, where: str, depth: int = 0) -> Any:
         fixed = copy.copy(value)  # the same class, default_factory and attributes
         fixed.update(pairs)
         return fixed
-    if isinstance(value, deque):
-        items = [map_state(v, leaf, f"{where}[{i}]", depth + 1) for i, v in enumerate(value)]
-        if all(a is b for a, b in zip(items, value, strict=True)):
-            return value
-        return type(value)(items, maxlen=value.maxlen)
     return value
 
 
 def _is_namedtuple(value: Any) -> bool:
     return isinstance(value, tuple) and hasattr(type(value), "_fields")
-
-
-def may_hold_state(value: Any) -> bool:
-    """Whether a plain attribute's value may hold tensors or modules (what map_state looks into)."""
-    return isinstance(value, (torch.Tensor, nn.Module, list, tuple, dict, deque))
 
 
 def _message(
@@ -164,11 +159,7 @@ def fix_stale_attributes(
     targets = [j for j, d in enumerate(devices) if d != source]
     if not targets:
         return
-    candidates = [
-        (p, [k for k, v in m.__dict__.items() if k not in _INTERNAL_KEYS and may_hold_state(v)])
-        for p, m in enumerate(modules)
-    ]
-    candidates = [(p, keys) for p, keys in candidates if keys]
+    candidates = [(p, keys) for p, m in enumerate(modules) if (keys := plain_attributes(m))]
     if not candidates:
         return
     module_index = {id(m): p for p, m in enumerate(modules)}
@@ -178,17 +169,15 @@ def fix_stale_attributes(
             for name, t in table.items():
                 if t is not None:
                     tensor_index.setdefault(id(t), (p, name))
-    paths: dict[int, str] | None = None
     for j in targets:
         replica = _Replica(copies[j], module_index, tensor_index, devices[j], source)
         for p, keys in candidates:
-            replica_module = copies[j][p]
-            state = replica_module.__dict__
+            state = copies[j][p].__dict__
             for key in keys:
                 if key not in state:  # a hook removed it
                     continue
                 replica.found = []
-                fixed = replica.fix(state[key], key, 0)
+                fixed = map_state(state[key], replica.fix, key)
                 if not replica.found:
                     continue
                 if policy == "move":
@@ -196,11 +185,8 @@ def fix_stale_attributes(
                     continue
                 cls = type(modules[p]).__qualname__
                 if policy == "error":
-                    if paths is None:
-                        paths = {id(m): name for name, m in network.named_modules()}
-                    raise RuntimeError(
-                        _message(api, policy, cls, paths.get(id(modules[p]), ""), key, j, replica)
-                    )
+                    path = module_paths(network).get(id(modules[p]), "")
+                    raise RuntimeError(_message(api, policy, cls, path, key, j, replica))
                 with _warned_lock:
                     if (cls, key) in _warned:
                         continue

@@ -19,20 +19,19 @@ def _dynamo_context_of(compiled: Any) -> Any:
         return _contexts[compiled]
     except (KeyError, TypeError):
         pass
-    context = None
     try:
         from torch._dynamo.eval_frame import _TorchDynamoContext
     except ImportError:  # pragma: no cover - torch releases without dynamo
-        _TorchDynamoContext = None
-    if _TorchDynamoContext is not None:
-        for cell in getattr(compiled, "__closure__", None) or ():
-            try:
-                value = cell.cell_contents
-            except ValueError:  # an empty cell
-                continue
-            if isinstance(value, _TorchDynamoContext):
-                context = value
-                break
+        return None
+    context = None
+    for cell in getattr(compiled, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if isinstance(value, _TorchDynamoContext):
+            context = value
+            break
     try:
         _contexts[compiled] = context
     except TypeError:  # not weak-referenceable: look it up again next time
@@ -45,19 +44,16 @@ def rebind_compiled_call(replica: Any, compiled: Any) -> None:
     ``_compiled_call_impl``, bound to it) closes over; without one, eagerly and warned once."""
     global _warned
     context = _dynamo_context_of(compiled)
-    if context is None:
-        rebound = None
-        if not _warned:
-            _warned = True
-            warnings.warn(
-                "torchdp.replicate: a module compiled in place with module.compile() is "
-                f"replicated ({type(replica).__qualname__}), but the compiler settings of its "
-                "compiled call could not be recovered, so its replicas run eagerly. Use "
-                "torch.compile(module) (the wrapper torchdp replicates with its compiled forward) "
-                "instead of module.compile() to compile the replicas. This warning is shown once.",
-                UserWarning,
-                stacklevel=3,
-            )
-    else:
-        rebound = context(replica._call_impl)
+    if context is None and not _warned:
+        _warned = True
+        warnings.warn(
+            "torchdp.replicate: a module compiled in place with module.compile() is "
+            f"replicated ({type(replica).__qualname__}), but the compiler settings of its "
+            "compiled call could not be recovered, so its replicas run eagerly. Use "
+            "torch.compile(module) (the wrapper torchdp replicates with its compiled forward) "
+            "instead of module.compile() to compile the replicas. This warning is shown once.",
+            UserWarning,
+            stacklevel=3,
+        )
+    rebound = None if context is None else context(replica._call_impl)
     replica.__dict__["_compiled_call_impl"] = rebound

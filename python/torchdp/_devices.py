@@ -8,14 +8,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch import nn
 from torch._utils import _get_devices_properties
 
 from torchdp import _C
 
 DeviceLike = int | str | torch.device
-
-_INDEXLESS_TYPES = ("cpu", "meta")
 
 
 def _current_cuda_device(api: str) -> torch.device:
@@ -41,7 +38,7 @@ def _to_device(device: Any, api: str) -> torch.device:
                 "CUDA index"
             ) from e
     if isinstance(device, torch.device):
-        if device.type in _INDEXLESS_TYPES:
+        if device.type in ("cpu", "meta"):
             return torch.device(device.type)
         if device.type == "cuda" and device.index is None:
             return _current_cuda_device(api)
@@ -130,47 +127,30 @@ def _check_device_ids(device_ids: Sequence[int], output_device: int, api: str) -
         _C.normalize_devices([torch.device("cuda", i) for i in ids], f"{api} ({name})")
 
 
-def _output_device_of(output_device: Any, api: str) -> torch.device:
-    """The output device of an explicit ``devices=`` list: the CPU is allowed ('cpu' or -1)."""
-    if (
-        isinstance(output_device, int)
-        and not isinstance(output_device, bool)
-        and (output_device == -1)
-    ):
-        return torch.device("cpu")
-    return _to_device(output_device, api)
-
-
-def _explicit_devices(devices: Sequence[DeviceLike], api: str) -> list[torch.device]:
-    device_list = _to_devices(devices, api)
-    if not device_list:
-        raise ValueError(f"{api}: devices= must name at least one device, got an empty list")
-    return device_list
-
-
 def _resolve_explicit(
     devices: Sequence[DeviceLike], device_ids: Any, output_device: Any, api: str
 ) -> tuple[list[torch.device], Any]:
-    """The ``devices=`` path: (device list, output device); refuses ``device_ids`` as well."""
+    """The ``devices=`` path: (device list, output device, which may be the CPU: 'cpu' or -1);
+    refuses ``device_ids`` as well."""
     if device_ids is not None:
         raise ValueError(
             f"{api}: pass either device_ids= or devices=, not both "
             f"(got device_ids={device_ids!r} and devices={devices!r})"
         )
-    device_list = _explicit_devices(devices, api)
-    output = device_list[0] if output_device is None else _output_device_of(output_device, api)
+    device_list = _to_devices(devices, api)
+    if not device_list:
+        raise ValueError(f"{api}: devices= must name at least one device, got an empty list")
+    if output_device is None:
+        output = device_list[0]
+    elif isinstance(output_device, int) and output_device == -1:  # a bool is never -1
+        output = torch.device("cpu")
+    else:
+        output = _to_device(output_device, api)
     # CUDA devices that this process cannot use fail here, not at the first forward.
     _C.normalize_devices(device_list, api)
     _C.normalize_devices([output], f"{api} (output_device)")
     _C.check_output_device(device_list, output, api)
     return device_list, output
-
-
-def _check_module_device(
-    module: nn.Module, src_device: torch.device
-) -> tuple[str, str, torch.device] | None:
-    """The first parameter or buffer not on ``src_device``, as (kind, qualified name, device)."""
-    return _C.misplaced_tensor(module, src_device)
 
 
 def _device_error(

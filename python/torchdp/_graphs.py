@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from torchdp import _C
-from torchdp._attributes import internal_keys, map_state, may_hold_state
+from torchdp._attributes import map_state, plain_attributes
 from torchdp.replicate import replicate
 from torchdp.scatter_gather import GATHER_CONSTANTS
 
@@ -59,20 +59,13 @@ def _install(module: nn.Module, copy: nn.Module, tensors: dict[int, torch.Tensor
                 # Directly: some classes' __setattr__ copies into the existing buffer instead.
                 replica._buffers[key] = tensors[id(b)]
     for replica in copies:
-        for key in _plain_attributes(replica):
-            value = replica.__dict__[key]
-            fixed = map_state(value, lambda t, _: _lookup(alias, t), key)
-            if fixed is not value:
-                replica.__dict__[key] = fixed
+        state = replica.__dict__
+        for key in plain_attributes(replica):
+            state[key] = map_state(state[key], lambda t, _: _lookup(alias, t), key)
 
 
 def _lookup(alias: dict[int, torch.Tensor], t: Any) -> Any:
     return alias.get(id(t), t) if isinstance(t, torch.Tensor) else t
-
-
-def _plain_attributes(module: nn.Module) -> list[str]:
-    skip = internal_keys()
-    return [k for k, v in module.__dict__.items() if k not in skip and may_hold_state(v)]
 
 
 def _refuse_unregistered_leaves(network: nn.Module) -> None:
@@ -95,7 +88,7 @@ def _refuse_unregistered_leaves(network: nn.Module) -> None:
                 )
             return t
 
-        for key in _plain_attributes(module):
+        for key in plain_attributes(module):
             map_state(module.__dict__[key], check, key)
 
 

@@ -106,7 +106,7 @@ class DataParallelCriterion(nn.Module):
         return list(replicate(crit, devices, not torch.is_grad_enabled()))
 
     def forward(self, outputs: Sequence[Any], *targets: Any, **kwargs: Any) -> torch.Tensor:
-        if isinstance(outputs, torch.Tensor) or not isinstance(outputs, (list, tuple)):
+        if not isinstance(outputs, (list, tuple)):
             raise TypeError(
                 f"{_API}: expected the list of per-replica outputs that "
                 "torchdp.DataParallel(..., gather_output=False) returns, got "
@@ -158,11 +158,11 @@ class DataParallelCriterion(nn.Module):
             for crit, out, tgt, kw in zip(criteria, outputs, split_targets, split_kwargs)
         )
         losses = []
+        compute = _weighted_sum if weighted else (lambda c, o, t, k: c(o, *t, **k))
         for crit, out, tgt, kw, device in zip(
             criteria, outputs, split_targets, split_kwargs, devices, strict=True
         ):
             with record_function("DataParallelCriterion.replica"):
-                compute = _weighted_sum if weighted else (lambda c, o, t, k: c(o, *t, **k))
                 if device.type == "cuda":
                     with torch.cuda.device(device):
                         losses.append(compute(crit, out, tgt, kw))
@@ -255,11 +255,8 @@ def _weighted_sum(
             output, t, weight=crit.weight, ignore_index=crit.ignore_index, reduction="sum"
         )
     valid = t != crit.ignore_index
-    if crit.weight is None:
-        weight = valid.sum().to(total.dtype)
-    else:
-        weight = (crit.weight[torch.where(valid, t, 0)] * valid).sum().to(total.dtype)
-    return total, weight
+    weights = valid if crit.weight is None else crit.weight[torch.where(valid, t, 0)] * valid
+    return total, weights.sum().to(total.dtype)
 
 
 def _batch_size(targets: tuple[Any, ...], kwargs: dict[str, Any], output: Any, dim: int) -> int:

@@ -27,7 +27,6 @@ from torchdp._devices import (
     _check_balance,
     _check_device_ids,
     _check_dim,
-    _check_module_device,
     _device_error,
     _resolve_explicit,
 )
@@ -171,7 +170,7 @@ def _check_cuda_graphs(cuda_graphs: Any) -> int:
     if isinstance(cuda_graphs, int) and cuda_graphs > 0:
         return cuda_graphs
     raise ValueError(
-        "torchdp.DataParallel: cuda_graphs must be True, False or a positive number of input "
+        f"{_API}: cuda_graphs must be True, False or a positive number of input "
         f"signatures to capture, got {cuda_graphs!r}"
     )
 
@@ -213,16 +212,15 @@ _warned_ignored_device_ids = False
 def _warn_ignored_device_ids(device_ids: Any) -> None:
     """Once per process: the passthrough (no accelerator) ignores explicit device_ids."""
     global _warned_ignored_device_ids
-    if _warned_ignored_device_ids:
-        return
-    _warned_ignored_device_ids = True
-    warnings.warn(
-        f"torchdp.DataParallel: device_ids={list(device_ids)!r} are ignored because no "
-        "accelerator is visible, so the wrapper only calls the module (as torch.nn.DataParallel "
-        "does). To run replicas on the CPU, pass devices=[torch.device('cpu')] * n instead",
-        UserWarning,
-        stacklevel=3,
-    )
+    if not _warned_ignored_device_ids:
+        _warned_ignored_device_ids = True
+        warnings.warn(
+            f"{_API}: device_ids={list(device_ids)!r} are ignored because no accelerator is "
+            "visible, so the wrapper only calls the module (as torch.nn.DataParallel does). To "
+            "run replicas on the CPU, pass devices=[torch.device('cpu')] * n instead",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 class DataParallel(_TorchDataParallel[T]):
@@ -344,17 +342,15 @@ class DataParallel(_TorchDataParallel[T]):
     ) -> None:
         # Not torch.nn.DataParallel.__init__: the base class is there for isinstance checks.
         nn.Module.__init__(self)
-        torch._C._log_api_usage_once("torchdp.DataParallel")
-        dim = _check_dim(dim, "torchdp.DataParallel")
+        torch._C._log_api_usage_once(_API)
+        dim = _check_dim(dim, _API)
         self._place_module = bool(place_module)
         self._placed = False
         self.gather_output = bool(gather_output)
         self.serial_forward = bool(serial_forward)
-        _bucket_bytes(bucket_cap_mb, "torchdp.DataParallel")  # checked now, not at the forward
+        _bucket_bytes(bucket_cap_mb, _API)  # checked now, not at the forward
         self.bucket_cap_mb = bucket_cap_mb
-        self.stale_attributes = check_stale_attribute_policy(
-            stale_attributes, "torchdp.DataParallel"
-        )
+        self.stale_attributes = check_stale_attribute_policy(stale_attributes, _API)
         self.cuda_graphs = _check_cuda_graphs(cuda_graphs)
         self.cache_replicas = bool(cache_replicas)
         self.broadcast_buffers = bool(broadcast_buffers)
@@ -362,41 +358,33 @@ class DataParallel(_TorchDataParallel[T]):
         self.process_group = process_group
 
         if devices is not None:
-            device_list, self.output_device = _resolve_explicit(
-                devices, device_ids, output_device, "torchdp.DataParallel"
+            self.device_ids, self.output_device = _resolve_explicit(
+                devices, device_ids, output_device, _API
             )
-            _check_module(module, "torchdp.DataParallel")
-            self.dim = dim
-            self.module = module
-            self.device_ids = device_list
-            self.src_device_obj = device_list[0]
-            if all(d.type == "cuda" for d in device_list) and torch.cuda.is_available():
-                _check_balance([operator.index(d.index) for d in device_list])
+            _check_module(module, _API)
+            self.src_device_obj = self.device_ids[0]
+            if all(d.type == "cuda" for d in self.device_ids) and torch.cuda.is_available():
+                _check_balance([operator.index(d.index) for d in self.device_ids])
             if self.cuda_graphs:
-                _C.check_cuda_graphs(device_list, "torchdp.DataParallel")
-            if len(device_list) == 1:
-                self.module.to(self.src_device_obj)
-            return
-
-        device_type = _get_available_device_type()
-        if device_type is None or device_type == "mps":
-            # No accelerator: a passthrough, as torch.nn.DataParallel (dim etc. are not set).
-            if device_ids is not None:
-                _warn_ignored_device_ids(device_ids)
-            self.module = module
-            self.device_ids = []
-            return
-
-        _check_module(module, "torchdp.DataParallel")
-        self.device_ids, self.output_device = _indices(
-            device_ids, output_device, device_type, "torchdp.DataParallel"
-        )
+                _C.check_cuda_graphs(self.device_ids, _API)
+        else:
+            device_type = _get_available_device_type()
+            if device_type is None or device_type == "mps":
+                # No accelerator: a passthrough, as torch.nn.DataParallel (dim etc. are not set).
+                if device_ids is not None:
+                    _warn_ignored_device_ids(device_ids)
+                self.module = module
+                self.device_ids = []
+                return
+            _check_module(module, _API)
+            self.device_ids, self.output_device = _indices(
+                device_ids, output_device, device_type, _API
+            )
+            self.src_device_obj = torch.device(device_type, self.device_ids[0])
+            if device_type == "cuda":
+                _check_balance(self.device_ids)
         self.dim = dim
         self.module = module
-        self.src_device_obj = torch.device(device_type, self.device_ids[0])
-        if device_type == "cuda":
-            _check_balance(self.device_ids)
-
         if len(self.device_ids) == 1:
             self.module.to(self.src_device_obj)
 
@@ -409,13 +397,12 @@ class DataParallel(_TorchDataParallel[T]):
 
     @process_group.setter
     def process_group(self, group: Any) -> None:
-        api = "torchdp.DataParallel"
-        group = check_process_group(group, api)
+        group = check_process_group(group, _API)
         if group is None:
             _SYNCS.pop(self, None)
             return
-        _C.check_group_and_graphs(True, bool(self.cuda_graphs), api)
-        _SYNCS[self] = ProcessGroupSync(group, api)
+        _C.check_group_and_graphs(True, bool(self.cuda_graphs), _API)
+        _SYNCS[self] = ProcessGroupSync(group, _API)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -429,10 +416,10 @@ class DataParallel(_TorchDataParallel[T]):
             self.require_backward_grad_sync = old
 
     def _check_or_place_module(self) -> None:
-        found = _check_module_device(self.module, self.src_device_obj)
+        found = _C.misplaced_tensor(self.module, self.src_device_obj)
         if found is not None and self._place_module and not self._placed:
             self.module.to(self.src_device_obj)
-            found = _check_module_device(self.module, self.src_device_obj)
+            found = _C.misplaced_tensor(self.module, self.src_device_obj)
         self._placed = True
         if found is not None:
             raise _device_error(self.src_device_obj, found, wrapper=True)
@@ -442,18 +429,16 @@ class DataParallel(_TorchDataParallel[T]):
             watch = self._before_forward()
             if not self.device_ids:
                 return watch(self._one_output(self.module(*inputs, **kwargs)))
-            if len(self.device_ids) > 1:
-                _C.check_forward_context("torchdp.DataParallel")
+            n = len(self.device_ids)
+            if n > 1:
+                _C.check_forward_context(_API)
             chunks, chunk_kwargs = _nonempty(*self.scatter(inputs, kwargs, self.device_ids))
             outputs = self._graphed_outputs(chunks, chunk_kwargs) if self.cuda_graphs else None
             if outputs is not None:
-                one = len(self.device_ids) == 1
-                return watch(self._one_output(outputs[0]) if one else self._gathered(outputs))
-            if len(self.device_ids) == 1:
+                return watch(self._one_output(outputs[0]) if n == 1 else self._gathered(outputs))
+            if n == 1:
                 return watch(self._one_output(self.module(*chunks[0], **chunk_kwargs[0])))
-            _check_chunks(
-                inputs, kwargs, chunks, chunk_kwargs, len(self.device_ids), self.dim, _API
-            )
+            _check_chunks(inputs, kwargs, chunks, chunk_kwargs, n, self.dim, _API)
             return watch(
                 _run_replicated(
                     self.module,
@@ -467,16 +452,15 @@ class DataParallel(_TorchDataParallel[T]):
     def _before_forward(self) -> Callable[[Any], Any]:
         """A forward's checks and the process group's work before the module runs; returns what
         the outputs go through."""
-        api = "torchdp.DataParallel"
         sync = _SYNCS.get(self)
         if sync is not None:
-            _C.check_group_and_graphs(True, bool(self.cuda_graphs), api)
+            _C.check_group_and_graphs(True, bool(self.cuda_graphs), _API)
         if self.device_ids:
             self._check_or_place_module()
         if sync is None:
             return _unchanged
         grad_sync = torch.is_grad_enabled() and self.require_backward_grad_sync
-        bucket_bytes = _bucket_bytes(self.bucket_cap_mb, api) if grad_sync else None
+        bucket_bytes = _bucket_bytes(self.bucket_cap_mb, _API) if grad_sync else None
         sync.before_forward(self.module, grad_sync and self.broadcast_buffers)
         if not grad_sync:
             return _unchanged
@@ -503,10 +487,9 @@ class DataParallel(_TorchDataParallel[T]):
             d if isinstance(d, torch.device) else torch.device("cuda", d) for d in self.device_ids
         ]
         if graphed is None or graphed.module is not self.module or graphed.devices != devices:
-            graphed = GraphedReplicas(
+            graphed = _GRAPHED[self] = GraphedReplicas(
                 self.module, devices, int(self.cuda_graphs), self.stale_attributes
             )
-            _GRAPHED[self] = graphed
         return graphed.run(inputs, kwargs)
 
     def replicate(self, module: T, device_ids: Sequence[int | torch.device]) -> list[T]:
@@ -571,9 +554,8 @@ def _first_compiled_call(module: nn.Module, inputs: Sequence[Any], kwargs: Any) 
     if "torch._dynamo" not in sys.modules:
         return False
     seen = _weak_entry(_signatures_seen, module, set)
-    if seen is None:  # an unhashable module, which named_modules() cannot walk either
-        return False
-    if len(seen) >= _COMPILED_SIGNATURES:
+    # None: an unhashable module, which named_modules() cannot walk either.
+    if seen is None or len(seen) >= _COMPILED_SIGNATURES:
         return False
     key = (_signature(inputs), _signature(kwargs), module.training, torch.is_grad_enabled())
     if key in seen:
@@ -643,38 +625,34 @@ def data_parallel(
 
         >>> out = torchdp.data_parallel(model, x, devices=[torch.device("cpu")] * 2)
     """
-    check_stale_attribute_policy(stale_attributes, "torchdp.data_parallel")
-    _check_module(module, "torchdp.data_parallel")
-    dim = _check_dim(dim, "torchdp.data_parallel")
+    api = "torchdp.data_parallel"
+    check_stale_attribute_policy(stale_attributes, api)
+    _check_module(module, api)
+    dim = _check_dim(dim, api)
     if not isinstance(inputs, tuple):
         inputs = (inputs,) if inputs is not None else ()
 
     used_ids: list[Any]
     if devices is not None:
-        device_list, target = _resolve_explicit(
-            devices, device_ids, output_device, "torchdp.data_parallel"
-        )
-        used_ids = list(device_list)
-        src_device = device_list[0]
+        used_ids, target = _resolve_explicit(devices, device_ids, output_device, api)
+        src_device = used_ids[0]
     else:
         device_type = _get_available_device_type()
         if device_type is None:
             raise RuntimeError("device type could not be determined")
-        used_ids, target = _indices(device_ids, output_device, device_type, "torchdp.data_parallel")
+        used_ids, target = _indices(device_ids, output_device, device_type, api)
         src_device = torch.device(device_type, used_ids[0])
 
-    found = _check_module_device(module, src_device)
+    found = _C.misplaced_tensor(module, src_device)
     if found is not None:
         raise _device_error(src_device, found, wrapper=False)
 
     if len(used_ids) > 1:
-        _C.check_forward_context("torchdp.data_parallel")
+        _C.check_forward_context(api)
     chunks, chunk_kwargs = _nonempty(*scatter_kwargs(inputs, module_kwargs, used_ids, dim))
     if len(used_ids) == 1:
         return module(*chunks[0], **chunk_kwargs[0])
-    _check_chunks(
-        inputs, module_kwargs, chunks, chunk_kwargs, len(used_ids), dim, "torchdp.data_parallel"
-    )
+    _check_chunks(inputs, module_kwargs, chunks, chunk_kwargs, len(used_ids), dim, api)
     used = used_ids[: len(chunks)]
     cache = _weak_entry(_FUNCTIONAL_CACHES, module, _C.ReplicaCache) if cache_replicas else None
 

@@ -48,29 +48,26 @@ class _Entry:
 
     def __init__(self, hook_id: int, hook: Callable[..., Any], target: Any) -> None:
         self.id = hook_id
-        # A method of the target itself is held weakly, or it would keep its module alive.
         self._hook: Callable[..., Any] | None = hook
         self._method_ref: weakref.WeakMethod | None = None
-        if not isinstance(target, type) and getattr(hook, "__self__", None) is target:
-            self._method_ref = weakref.WeakMethod(hook)
-            self._hook = None
         if isinstance(target, type):
             self.target_class: type | None = target
             self.target_ref: weakref.ref | None = None
             kind = f"class {target.__module__}.{target.__qualname__}"
         else:
             self.target_class = None
-            self.target_ref = weakref.ref(target, _forget(hook_id))
+            self.target_ref = weakref.ref(target, lambda _: _unregister(hook_id))
             kind = f"instance of {type(target).__qualname__}"
+            # A method of the target itself is held weakly, or it would keep its module alive.
+            if getattr(hook, "__self__", None) is target:
+                self._method_ref = weakref.WeakMethod(hook)
+                self._hook = None
         self.description = f"post-replicate hook {_hook_name(hook)} (#{hook_id}, {kind})"
 
     @property
     def hook(self) -> Callable[..., Any]:
         if self._method_ref is not None:
-            method = self._method_ref()
-            if method is None:  # its module is gone; the entry goes with it
-                return _no_op
-            return method
+            return self._method_ref() or _no_op  # None: its module is gone; the entry goes with it
         assert self._hook is not None
         return self._hook
 
@@ -92,19 +89,14 @@ def _no_op(*_args: Any) -> None:
     return None
 
 
-def _forget(hook_id: int) -> Callable[[Any], None]:
-    def callback(_ref: Any) -> None:
-        with _lock:
-            _registry.pop(hook_id, None)
-
-    return callback
+def _unregister(hook_id: int) -> None:
+    with _lock:
+        _registry.pop(hook_id, None)
 
 
 def _hook_name(hook: Callable[..., Any]) -> str:
     name = getattr(hook, "__qualname__", None) or getattr(hook, "__name__", None)
-    if name is None:
-        name = type(hook).__qualname__
-    return str(name)
+    return str(type(hook).__qualname__ if name is None else name)
 
 
 class PostReplicateHookHandle:
@@ -127,8 +119,7 @@ class PostReplicateHookHandle:
 
     def remove(self) -> None:
         """Unregisters the hook. Idempotent."""
-        with _lock:
-            _registry.pop(self.id, None)
+        _unregister(self.id)
 
     @property
     def active(self) -> bool:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Sized
 from typing import Any
 
 import torch
@@ -30,13 +30,8 @@ def get_a_var(obj: Any) -> torch.Tensor | None:
     """The first tensor found in :attr:`obj` (tensors, lists, tuples, dict items), or ``None``."""
     if isinstance(obj, torch.Tensor):
         return obj
-    if isinstance(obj, (list, tuple)):
-        for item in obj:
-            found = get_a_var(item)
-            if found is not None:
-                return found
-    if isinstance(obj, dict):
-        for item in obj.items():
+    if isinstance(obj, (list, tuple, dict)):
+        for item in obj.items() if isinstance(obj, dict) else obj:
             found = get_a_var(item)
             if found is not None:
                 return found
@@ -76,6 +71,13 @@ def _default_device(input: Any) -> torch.device:
     return torch.device("cpu")
 
 
+def _length_error(modules: Sized, name: str, given: Sized) -> AssertionError:
+    """PyTorch's assertion for an argument list whose length is not the number of modules."""
+    return AssertionError(
+        f"The number of modules {len(modules)} is not equal to the number of {name} {len(given)}"
+    )
+
+
 def parallel_apply(
     modules: Sequence[nn.Module],
     inputs: Sequence[Any],
@@ -113,30 +115,19 @@ def parallel_apply(
         >>> outs = torchdp.parallel_apply(replicas, [x0, x1], None, [torch.device("cpu")] * 2)
     """
     if len(modules) != len(inputs):
-        raise AssertionError(
-            f"The number of modules {len(modules)} is not equal to "
-            f"the number of inputs {len(inputs)}"
-        )
-    if kwargs_tup is not None:
-        if len(modules) != len(kwargs_tup):
-            raise AssertionError(
-                f"The number of modules {len(modules)} is not equal to "
-                f"the number of kwargs_tup {len(kwargs_tup)}"
-            )
-    else:
+        raise _length_error(modules, "inputs", inputs)
+    if kwargs_tup is None:
         kwargs_tup = ({},) * len(modules)
-    if devices is not None:
-        if len(modules) != len(devices):
-            raise AssertionError(
-                f"The number of modules {len(modules)} is not equal to "
-                f"the number of devices {len(devices)}"
-            )
-        device_list = [
-            _default_device(inputs[i]) if d is None else _to_device(d, _API)
-            for i, d in enumerate(devices)
-        ]
-    else:
-        device_list = [_default_device(inp) for inp in inputs]
+    elif len(modules) != len(kwargs_tup):
+        raise _length_error(modules, "kwargs_tup", kwargs_tup)
+    if devices is None:
+        devices = (None,) * len(modules)
+    elif len(modules) != len(devices):
+        raise _length_error(modules, "devices", devices)
+    device_list = [
+        _default_device(inp) if d is None else _to_device(d, _API)
+        for inp, d in zip(inputs, devices, strict=True)
+    ]
     if not modules:
         return []
 
@@ -147,9 +138,7 @@ def parallel_apply(
         )
     ]
     results = _C.parallel_apply(fns, device_list, bool(serial))
-    outputs = []
     for result in results:
         if isinstance(result, _Failure):
             result.wrapper.reraise()
-        outputs.append(result)
-    return outputs
+    return results

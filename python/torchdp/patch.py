@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib
 import threading
-from types import ModuleType
 from typing import Any
 
 __all__ = ["TorchPatch", "patch_torch"]
@@ -37,11 +36,6 @@ _saved: dict[tuple[str, str], Any] = {}  # (module, attribute) -> the original v
 _next_id = 0
 
 
-def _module(name: str) -> ModuleType:
-    # importlib: the attribute torch.nn.parallel.replicate is the function, not the submodule.
-    return importlib.import_module(name)
-
-
 def _replacement(name: str) -> Any:
     import torchdp
 
@@ -52,7 +46,8 @@ def _apply() -> None:
     # All or nothing: a name missing from this torch release raises before anything is replaced.
     found = []
     for module_name, attribute, ours in _TARGETS:
-        module = _module(module_name)
+        # importlib: the attribute torch.nn.parallel.replicate is the function, not the submodule.
+        module = importlib.import_module(module_name)
         found.append((module_name, attribute, module, getattr(module, attribute), ours))
     for module_name, attribute, module, current, ours in found:
         replacement = _replacement(ours)
@@ -68,7 +63,7 @@ def _restore() -> None:
         if key not in _saved:
             continue
         original = _saved.pop(key)
-        module = _module(module_name)
+        module = importlib.import_module(module_name)
         # Leave alone an attribute that someone else replaced after us.
         if getattr(module, attribute) is _replacement(ours):
             setattr(module, attribute, original)
@@ -93,11 +88,10 @@ class TorchPatch:
     def undo(self) -> None:
         """Takes this patch back; the originals return when no other patch is active."""
         with _lock:
-            if self._id not in _active:
-                return
-            _active.discard(self._id)
-            if not _active:
-                _restore()
+            if self._id in _active:
+                _active.remove(self._id)
+                if not _active:
+                    _restore()
 
     remove = undo
 

@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 from torchdp import _C
-from torchdp._attributes import check_stale_attribute_policy, fix_stale_attributes
-from torchdp.hooks import ReplicaContext, _has_hooks, _hooks_for
+from torchdp._attributes import check_stale_attribute_policy, fix_stale_attributes, module_paths
 from torchdp._devices import DeviceLike, _to_devices
+from torchdp.hooks import ReplicaContext, _has_hooks, _hooks_for
 
 __all__ = ["replicate"]
 
@@ -26,11 +26,6 @@ class CallbackContext:
     """The ctx of ``__data_parallel_replicate__`` callbacks: one per module position (as SyncBN)."""
 
 
-def _module_paths(network: nn.Module) -> dict[int, str]:
-    # Qualified names in network.named_modules() order; the first name of a shared module wins.
-    return {id(m): name for name, m in network.named_modules()}
-
-
 def _run_post_replicate_hooks(
     modules: list[nn.Module],
     copies: list[list[nn.Module]],
@@ -41,7 +36,7 @@ def _run_post_replicate_hooks(
     hooks = [_hooks_for(m) for m in modules]
     if not any(hooks):
         return False
-    paths = _module_paths(network)
+    paths = module_paths(network)
     contexts = [
         ReplicaContext(paths.get(id(m), ""), devices) if entries else None
         for m, entries in zip(modules, hooks, strict=True)
@@ -65,8 +60,6 @@ def _run_post_replicate_hooks(
 def _run_replication_callbacks(copies: list[list[nn.Module]]) -> bool:
     # Synchronized-BatchNorm's execute_replication_callbacks: one ctx per module position, the
     # master copy (copy_id 0) of every module first. False when no module has a callback.
-    if not copies:
-        return False
     # hasattr once per class (slow when missing); a dict lookup per module finds instance ones.
     with_callback = {
         cls for cls in {type(m) for m in copies[0]} if hasattr(cls, "__data_parallel_replicate__")
@@ -87,7 +80,7 @@ def _run_replication_callbacks(copies: list[list[nn.Module]]) -> bool:
             except Exception as e:
                 # Keeps its type (SyncBN code may catch it); the note (Python >= 3.11) says where.
                 if hasattr(e, "add_note"):
-                    path = _module_paths(copies[0][0]).get(id(copies[0][p]), "") or "<root>"
+                    path = module_paths(copies[0][0]).get(id(copies[0][p]), "") or "<root>"
                     e.add_note(
                         f"{_API}: raised by the __data_parallel_replicate__ callback of module "
                         f"{path!r} (type {type(module).__qualname__}) for copy_id {copy_id}"

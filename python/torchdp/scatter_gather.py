@@ -18,6 +18,7 @@ from torchdp._devices import DeviceLike, _check_dim, _to_device, _to_devices
 
 __all__ = ["scatter", "scatter_kwargs", "gather"]
 
+
 def _is_namedtuple(obj: Any) -> bool:
     return isinstance(obj, tuple) and hasattr(obj, "_asdict") and hasattr(obj, "_fields")
 
@@ -26,6 +27,7 @@ def _rebuild_dict(like: dict[Any, Any], pairs: Any, api: str) -> dict[Any, Any]:
     """A dict of ``like``'s type holding ``pairs``; subclasses via a shallow copy (other ctors)."""
     if type(like) is dict or type(like) is collections.OrderedDict:
         return type(like)(pairs)
+    pairs = list(pairs)  # a gather's pairs: its errors are not the copy's
     try:
         rebuilt = copy.copy(like)
         dict.clear(rebuilt)
@@ -42,15 +44,11 @@ def _scatter_map(obj: Any, devices: list[torch.device], dim: int) -> Any:
     # A plain recursive function (not a closure), so no reference cycle is left behind.
     if isinstance(obj, torch.Tensor):
         return tuple(_C.scatter(obj, devices, None, dim, True))
-    if _is_namedtuple(obj):
-        parts = [_scatter_map(x, devices, dim) for x in obj]
-        return [type(obj)(*args) for args in zip(*parts, strict=False)]
-    if isinstance(obj, tuple) and len(obj) > 0:
-        parts = [_scatter_map(x, devices, dim) for x in obj]
-        return list(zip(*parts, strict=False))
-    if isinstance(obj, list) and len(obj) > 0:
-        parts = [_scatter_map(x, devices, dim) for x in obj]
-        return [list(chunk) for chunk in zip(*parts, strict=False)]
+    if isinstance(obj, (tuple, list)) and (len(obj) > 0 or _is_namedtuple(obj)):
+        chunks = zip(*[_scatter_map(x, devices, dim) for x in obj], strict=False)
+        if _is_namedtuple(obj):
+            return [type(obj)(*args) for args in chunks]
+        return list(chunks) if isinstance(obj, tuple) else [list(chunk) for chunk in chunks]
     if isinstance(obj, dict) and len(obj) > 0:
         parts = [_scatter_map(item, devices, dim) for item in obj.items()]
         return [_rebuild_dict(obj, pairs, "torchdp.scatter") for pairs in zip(*parts, strict=False)]
@@ -155,11 +153,7 @@ class _GatherTarget:
         self.used = False
         if isinstance(target_device, str) and target_device == "cpu":
             self.device = torch.device("cpu")
-        elif (
-            isinstance(target_device, int)
-            and not isinstance(target_device, bool)
-            and (target_device == -1)
-        ):
+        elif isinstance(target_device, int) and target_device == -1:  # no bool equals -1
             self.device = torch.device("cpu")
             self.minus_one = True
         else:
@@ -188,24 +182,28 @@ def _same_constant(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
+def _mismatch(outputs: Sequence[Any], i: int) -> TypeError:
+    def kind(o: Any) -> str:
+        return "a tensor" if isinstance(o, torch.Tensor) else type(o).__qualname__
+
+    return TypeError(
+        f"torchdp.gather: output 0 holds {kind(outputs[0])} where output {i} holds "
+        f"{kind(outputs[i])}; every replica must return the same structure"
+    )
+
+
 def _gather_map(outputs: Sequence[Any], target: _GatherTarget, dim: int) -> Any:
     out = outputs[0]
     if isinstance(out, torch.Tensor):
         for i, other in enumerate(outputs):
             if not isinstance(other, torch.Tensor):
-                raise TypeError(
-                    f"torchdp.gather: output 0 holds a tensor where output {i} holds "
-                    f"{type(other).__qualname__}; every replica must return the same structure"
-                )
+                raise _mismatch(outputs, i)
         target.used = True
         return _C.gather(list(outputs), target.device, dim, True)
     for i, other in enumerate(outputs):
         # PyTorch would drop these tensors (None in output 0) or cut them into rows (a sequence).
         if isinstance(other, torch.Tensor):
-            raise TypeError(
-                f"torchdp.gather: output 0 holds {type(out).__qualname__} where output {i} holds "
-                "a tensor; every replica must return the same structure"
-            )
+            raise _mismatch(outputs, i)
     if out is None:
         return None
     if isinstance(out, GATHER_CONSTANTS):
@@ -242,10 +240,7 @@ def _gather_map(outputs: Sequence[Any], target: _GatherTarget, dim: int) -> Any:
     if isinstance(out, dict):
         for i, d in enumerate(outputs):
             if not isinstance(d, dict):
-                raise TypeError(
-                    f"torchdp.gather: output 0 holds {type(out).__qualname__} where output {i} "
-                    f"holds {type(d).__qualname__}; every replica must return the same structure"
-                )
+                raise _mismatch(outputs, i)
         if not all(len(out) == len(d) for d in outputs):
             raise ValueError("All dicts must have the same number of keys")
         for i, d in enumerate(outputs):
@@ -255,10 +250,8 @@ def _gather_map(outputs: Sequence[Any], target: _GatherTarget, dim: int) -> Any:
                     f"has {list(out)}, replica {i} has {list(d)}; every replica must return the "
                     "same keys"
                 )
-        return _rebuild_dict(
-            out, ((k, _gather_map([d[k] for d in outputs], target, dim)) for k in out),
-            "torchdp.gather",
-        )
+        pairs = ((k, _gather_map([d[k] for d in outputs], target, dim)) for k in out)
+        return _rebuild_dict(out, pairs, "torchdp.gather")
     if hasattr(out, "__next__") or isinstance(out, (set, frozenset)):
         # Iterators are consumed by taking them apart; sets have no order to pair items by.
         raise TypeError(
@@ -268,10 +261,7 @@ def _gather_map(outputs: Sequence[Any], target: _GatherTarget, dim: int) -> Any:
         )
     for i, other in enumerate(outputs):
         if not hasattr(other, "__len__"):
-            raise TypeError(
-                f"torchdp.gather: output 0 holds {type(out).__qualname__} where output {i} holds "
-                f"{type(other).__qualname__}; every replica must return the same structure"
-            )
+            raise _mismatch(outputs, i)
     lengths = [len(o) for o in outputs]
     if any(n != lengths[0] for n in lengths):
         # PyTorch's zip drops the longer outputs' extra items without a word.
@@ -279,11 +269,8 @@ def _gather_map(outputs: Sequence[Any], target: _GatherTarget, dim: int) -> Any:
             f"torchdp.gather: the replicas returned {type(out).__qualname__} outputs of different "
             f"lengths {lengths}; every replica must return the same structure"
         )
-    if _is_namedtuple(out):
-        return type(out)._make(
-            _gather_map(group, target, dim) for group in zip(*outputs, strict=True)
-        )
-    return type(out)(_gather_map(group, target, dim) for group in zip(*outputs, strict=True))
+    items = (_gather_map(group, target, dim) for group in zip(*outputs, strict=True))
+    return type(out)._make(items) if _is_namedtuple(out) else type(out)(items)
 
 
 def gather(outputs: Any, target_device: DeviceLike, dim: int = 0) -> Any:

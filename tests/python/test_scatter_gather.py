@@ -491,6 +491,12 @@ def test_mapping_types_are_rebuilt_per_chunk():
         torchdp.scatter(Uncopyable(a=torch.randn(4)), cpu_devices(2))
 
 
+def test_a_dict_subclass_reports_the_error_of_its_values_not_of_its_copy():
+    outputs = [MyDict(a=torch.ones(2)), MyDict(a="two")]
+    with pytest.raises(TypeError, match=r"output 0 holds a tensor where output 1 holds str"):
+        torchdp.gather(outputs, "cpu")
+
+
 def test_gather_names_the_replicas_and_keys_of_different_dicts():
     outputs = [{"a": torch.ones(1), "b": torch.ones(1)}, {"a": torch.ones(1), "c": torch.ones(1)}]
     with pytest.raises(ValueError, match=r"replica 0 has \['a', 'b'\], replica 1 has \['a', 'c'\]"):
