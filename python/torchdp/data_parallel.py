@@ -262,9 +262,11 @@ class DataParallel(_TorchDataParallel[T]):
             :class:`torchdp.DataParallelCriterion` so that the first device does not hold the whole
             batch's outputs. Default: ``True``.
         serial_forward (bool, keyword-only): issue the replicas' forwards one after the other on
-            the calling thread instead of on parallel workers; faster for forwards bound by the
-            CPU and the GIL. Replicas that wait for each other inside the forward (cross-replica
-            BatchNorm through queues) must keep the default. Default: ``False``.
+            the calling thread instead of on parallel workers, which then do not trade the GIL;
+            whether that is faster depends on the model (on two H200s it was not, for any model
+            of the benchmark suite), so measure it. Replicas that wait for each other inside the
+            forward (cross-replica BatchNorm through queues) must keep the default. Default:
+            ``False``.
         bucket_cap_mb (float, keyword-only): size in MiB of the gradient buckets reduced while
             the backward pass runs, as DDP's ``bucket_cap_mb`` (``0``: one bucket, reduced at the
             end). Default: 25.

@@ -103,9 +103,9 @@ def parallel_apply(
         devices (list of int or torch.device, optional): each module's device; ints are CUDA
             indices. Default: the current CUDA device, else the input's first tensor's or the CPU.
         serial (bool, keyword-only): run the modules in order on the calling thread, each with
-            its device current: faster for Python forwards of many small operations, where
-            workers trade the GIL at each one. Same results and errors (Ctrl-C skips the later
-            replicas); modules that wait for each other need the workers. Default: ``False``.
+            its device current, so that no workers trade the GIL at each operation (not always
+            faster: measure it). Same results and errors (Ctrl-C skips the later replicas);
+            modules that wait for each other need the workers. Default: ``False``.
 
     Returns:
         list: the output of each module, in order.
