@@ -52,9 +52,9 @@ deps:
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing >/dev/null; \
 	fi
-	@$(PYTHON) -c "import pytest, hypothesis, matplotlib" 2>/dev/null || { \
-	  echo "== installing pytest hypothesis matplotlib"; \
-	  $(PYTHON) -m pip install --quiet pytest hypothesis matplotlib; }
+	@$(PYTHON) -c "import pytest, hypothesis, matplotlib, transformers" 2>/dev/null || { \
+	  echo "== installing pytest hypothesis matplotlib transformers"; \
+	  $(PYTHON) -m pip install --quiet pytest hypothesis matplotlib transformers; }
 
 # The one build also builds the torchdp._C extension straight into python/torchdp, so that
 # PYTHONPATH=python imports it (the in-place build used by test-python).

@@ -41,7 +41,7 @@ from torchdp.replicate import (
     _replicate,
     replicate,
 )
-from torchdp.scatter_gather import gather, scatter_kwargs
+from torchdp.scatter_gather import _parts, gather, scatter_kwargs
 
 __all__ = ["DataParallel", "data_parallel"]
 
@@ -103,12 +103,12 @@ def _tensor_sizes(obj: Any, path: str, dim: int, out: list[tuple[str, int]]) -> 
     if isinstance(obj, torch.Tensor):
         if obj.dim() > 0:
             out.append((path, obj.shape[dim] if -obj.dim() <= dim < obj.dim() else 0))
-    elif isinstance(obj, (list, tuple)):
-        for i, item in enumerate(obj):
-            _tensor_sizes(item, f"{path}[{i}]", dim, out)
-    elif isinstance(obj, dict):
-        for key, item in obj.items():
-            _tensor_sizes(item, f"{path}[{key!r}]", dim, out)
+        return
+    parts = _parts(obj, labelled=True)
+    if parts is not None:
+        labels, children, _ = parts
+        for label, child in zip(labels or [], children, strict=True):
+            _tensor_sizes(child, path + label, dim, out)
 
 
 def _check_chunks(

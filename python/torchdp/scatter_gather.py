@@ -7,7 +7,7 @@ import collections
 import copy
 import enum
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, overload
 
 import torch
@@ -18,50 +18,98 @@ from torchdp._devices import DeviceLike, _check_dim, _to_device, _to_devices
 
 __all__ = ["scatter", "scatter_kwargs", "gather"]
 
+_SCATTER = "torchdp.scatter"
+
 
 def _is_namedtuple(obj: Any) -> bool:
     return isinstance(obj, tuple) and hasattr(obj, "_asdict") and hasattr(obj, "_fields")
 
 
+def _holds(rebuilt: dict[Any, Any], items: dict[Any, Any]) -> bool:
+    """Whether ``rebuilt`` holds exactly ``items``, in order and by identity."""
+    return list(dict.keys(rebuilt)) == list(items) and all(
+        dict.__getitem__(rebuilt, k) is v for k, v in items.items()
+    )
+
+
 def _rebuild_dict(like: dict[Any, Any], pairs: Any, api: str) -> dict[Any, Any]:
-    """A dict of ``like``'s type holding ``pairs``; subclasses via a shallow copy (other ctors)."""
-    if type(like) is dict or type(like) is collections.OrderedDict:
-        return type(like)(pairs)
-    pairs = list(pairs)  # a gather's pairs: its errors are not the copy's
+    """A dict of ``like``'s type holding ``pairs``, built the way that type builds itself.
+
+    The one rule of scatter and gather for mappings. Its constructor from a dict comes first
+    (Hugging Face's ``ModelOutput``, attribute dicts: their attribute views follow). A type whose
+    constructor takes other arguments (``defaultdict``) or changes the values is rebuilt from a
+    shallow copy by item assignment, so its own ``__setitem__`` still runs.
+    """
+    cls = type(like)
+    if cls is dict or cls is collections.OrderedDict:
+        return cls(pairs)
+    items = dict(pairs)  # a gather's values first: their errors are not the rebuild's
+    try:
+        rebuilt = cls(items)
+        if type(rebuilt) is cls and _holds(rebuilt, items):
+            return rebuilt
+    except Exception:
+        pass
     try:
         rebuilt = copy.copy(like)
         dict.clear(rebuilt)
-        dict.update(rebuilt, pairs)
+        for key, value in items.items():
+            rebuilt[key] = value
     except Exception as e:
         raise TypeError(
-            f"{api}: cannot rebuild a {type(like).__module__}.{type(like).__qualname__} per "
-            f"replica (copying it failed: {e}); pass a plain dict instead"
+            f"{api}: cannot rebuild a {cls.__module__}.{cls.__qualname__} per replica: neither "
+            f"{cls.__qualname__}(dict) nor item assignment into a copy of it works ({e}); pass a "
+            "plain dict instead"
         ) from e
     return rebuilt
+
+
+def _parts(
+    obj: Any, labelled: bool = False
+) -> tuple[list[str] | None, list[Any], Callable[[list[Any]], Any]] | None:
+    """What scatter splits ``obj`` into: (labels, children, rebuild), or ``None`` for a leaf;
+    the children's labels (``[0]``, ``['key']``, ``.field``) only when ``labelled``.
+
+    The one walk of scatter's rules, shared with DataParallel's check for short tensors.
+    """
+    if isinstance(obj, (tuple, list)) and (len(obj) > 0 or _is_namedtuple(obj)):
+        labels = [f"[{i}]" for i in range(len(obj))] if labelled else None
+        if _is_namedtuple(obj):
+            return labels, list(obj), lambda c: type(obj)(*c)
+        return labels, list(obj), tuple if isinstance(obj, tuple) else list
+    if isinstance(obj, dict):
+        if not obj:
+            return None
+        keys = list(obj)
+        labels = [f"[{k!r}]" for k in keys] if labelled else None
+        return labels, list(obj.values()), lambda c: _rebuild_dict(obj, zip(keys, c), _SCATTER)
+    node = _pytree.SUPPORTED_NODES.get(type(obj))
+    if node is None:
+        return None
+    # Split field by field, as gather takes it apart: PyTorch passes it whole to every replica,
+    # so the gathered result would hold n copies.
+    children, context = node.flatten_fn(obj)
+    if not children:
+        return None
+    labels = None
+    if labelled and node.flatten_with_keys_fn is not None:  # field names (its context differs)
+        labels = [str(k) for k, _ in node.flatten_with_keys_fn(obj)[0]]
+    elif labelled:
+        labels = [f"[{i}]" for i in range(len(children))]
+    return labels, list(children), lambda c: node.unflatten_fn(c, context)
 
 
 def _scatter_map(obj: Any, devices: list[torch.device], dim: int) -> Any:
     # A plain recursive function (not a closure), so no reference cycle is left behind.
     if isinstance(obj, torch.Tensor):
         return tuple(_C.scatter(obj, devices, None, dim, True))
-    if isinstance(obj, (tuple, list)) and (len(obj) > 0 or _is_namedtuple(obj)):
-        chunks = zip(*[_scatter_map(x, devices, dim) for x in obj], strict=False)
-        if _is_namedtuple(obj):
-            return [type(obj)(*args) for args in chunks]
-        return list(chunks) if isinstance(obj, tuple) else [list(chunk) for chunk in chunks]
-    if isinstance(obj, dict) and len(obj) > 0:
-        parts = [_scatter_map(item, devices, dim) for item in obj.items()]
-        return [_rebuild_dict(obj, pairs, "torchdp.scatter") for pairs in zip(*parts, strict=False)]
-    node = _pytree.SUPPORTED_NODES.get(type(obj))
-    if node is not None and not isinstance(obj, (dict, list, tuple)):
-        # Split field by field, as gather takes it apart: PyTorch passes it whole to every
-        # replica, so the gathered result would hold n copies.
-        children, context = node.flatten_fn(obj)
-        if children:
-            parts = [_scatter_map(child, devices, dim) for child in children]
-            return [node.unflatten_fn(list(group), context) for group in zip(*parts, strict=False)]
-    # Anything else (None, numbers, strings, empty containers, other objects): by reference.
-    return [obj for _ in devices]
+    parts = _parts(obj)
+    if parts is None:
+        # None, numbers, strings, empty containers, other objects: by reference.
+        return [obj for _ in devices]
+    _, children, rebuild = parts
+    split = [_scatter_map(child, devices, dim) for child in children]
+    return [rebuild(list(chunk)) for chunk in zip(*split, strict=False)]
 
 
 T = TypeVar("T", dict, list, tuple)
@@ -102,8 +150,8 @@ def scatter(inputs: Any, target_gpus: Sequence[DeviceLike], dim: int = 0) -> Any
         >>> [c[0].shape[0] for c in chunks], chunks[1][1]
         ([2, 2], 'tag')
     """
-    devices = _to_devices(target_gpus, "torchdp.scatter")
-    return _scatter_map(inputs, devices, _check_dim(dim, "torchdp.scatter"))
+    devices = _to_devices(target_gpus, _SCATTER)
+    return _scatter_map(inputs, devices, _check_dim(dim, _SCATTER))
 
 
 def scatter_kwargs(

@@ -471,7 +471,8 @@ def test_non_tensors_are_passed_by_reference(leaf, container, n):
 
 def test_mapping_types_are_rebuilt_per_chunk():
     # PyTorch rebuilds dicts with type(obj)(pairs), which a defaultdict refuses (pytorch #52597)
-    # and a Counter misreads; torchdp rebuilds them from a copy, keeping the factory.
+    # and a Counter misreads; torchdp takes their constructor from a dict where it rebuilds them,
+    # else item assignment into a copy (keeping the factory).
     d = defaultdict(list, {"a": torch.randn(4)})
     chunks = torchdp.scatter(d, cpu_devices(2))
     assert [type(c) for c in chunks] == [defaultdict, defaultdict]
@@ -484,11 +485,14 @@ def test_mapping_types_are_rebuilt_per_chunk():
     assert type(gathered) is Counter and torch.equal(gathered["a"], torch.arange(4.0))
 
     class Uncopyable(dict):
+        def __init__(self, owner, **items):  # not constructible from a dict alone
+            super().__init__(**items)
+
         def __reduce_ex__(self, protocol):
             raise TypeError("no copies")
 
-    with pytest.raises(TypeError, match=r"cannot rebuild a .*Uncopyable per replica"):
-        torchdp.scatter(Uncopyable(a=torch.randn(4)), cpu_devices(2))
+    with pytest.raises(TypeError, match=r"cannot rebuild a .*Uncopyable per replica: neither"):
+        torchdp.scatter(Uncopyable("me", a=torch.randn(4)), cpu_devices(2))
 
 
 def test_a_dict_subclass_reports_the_error_of_its_values_not_of_its_copy():
