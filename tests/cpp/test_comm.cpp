@@ -568,3 +568,30 @@ TEST_CASE("comm::gather errors", "[cpu][comm]") {
                               "xpu", "not supported");
   }
 }
+
+TEST_CASE("comm::reduce_add_coalesced sums sparse tensors sparsely, with a dense one densely",
+          "[cpu][comm]") {
+  const auto dense = torch::randn({4, 3});
+  const auto s1 = torch::randn({4, 3}).relu().to_sparse();
+  const auto s2 = torch::randn({4, 3}).relu().to_sparse();
+  const auto other = torch::randn({5});
+  // A sparse embedding gradient from every replica: the sum stays sparse.
+  const auto all_sparse = torchdp::comm::reduce_add_coalesced({{s1, other}, {s2, other}}, kCpu);
+  REQUIRE(all_sparse.size() == 2);
+  CHECK(all_sparse[0].is_sparse());
+  CHECK(torch::allclose(all_sparse[0].to_dense(), s1.to_dense() + s2.to_dense()));
+  CHECK(torch::allclose(all_sparse[1], other * 2));
+  // A dense one among them, first or not: the sum is dense (sparse + dense has no kernel).
+  for (const bool dense_first : {true, false}) {
+    INFO("dense first: " << dense_first);
+    std::vector<std::vector<torch::Tensor>> per_device = {{dense, other}, {s1, other}, {s2, other}};
+    if (!dense_first) {
+      std::swap(per_device[0], per_device[2]);
+    }
+    const auto mixed = torchdp::comm::reduce_add_coalesced(per_device, kCpu);
+    CHECK_FALSE(mixed[0].is_sparse());
+    CHECK(torch::allclose(mixed[0], dense + s1.to_dense() + s2.to_dense()));
+    CHECK_FALSE(mixed[0].is_alias_of(dense));
+    CHECK(torch::allclose(mixed[1], other * 3));
+  }
+}

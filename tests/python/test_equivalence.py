@@ -129,6 +129,50 @@ def test_sparse_embedding_gradient_is_summed(n):
     torch.testing.assert_close(emb.weight.grad.to_dense(), counts[:, None].expand(10, 3))
 
 
+class SometimesEmbeds(nn.Module):
+    """A sparse embedding used only for the rows that carry indices (idx >= 0): a replica whose
+    chunk has none gives it no gradient; ``dense_rows`` reach its weight densely instead."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 3, sparse=True)
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x, idx):
+        out = self.lin(x)
+        if bool((idx >= 0).all()):
+            out = out + self.emb(idx).sum(1)
+        elif bool((idx == -2).all()):
+            out = out + self.emb.weight[:3].sum(0)  # a dense gradient for the same weight
+        return out
+
+
+def _chunkwise_reference(net, x, idx, n):
+    """The plain module run on each chunk, its summed loss backward: DataParallel's gradients."""
+    size = -(-x.shape[0] // n)
+    loss = sum(net(x[i : i + size], idx[i : i + size]).sum() for i in range(0, x.shape[0], size))
+    loss.backward()
+
+
+@pytest.mark.parametrize("rows", [[0, 0, -1, -1, 0, 0], [-1, -1, 0, 0, -1, -1], [0, 0, -1, -1, -2, -2]])
+def test_a_sparse_gradient_from_some_replicas_only(rows):
+    # pytorch's reduce densifies a sparse gradient meeting a dense one; replicas that did not use
+    # the embedding give none, and the sum stays sparse as on one device.
+    net = SometimesEmbeds()
+    ref = clone_module(net)
+    x = torch.randn(6, 3)
+    idx = torch.randint(0, 10, (6, 2))
+    for i, r in enumerate(rows):
+        if r < 0:
+            idx[i] = r
+    torchdp.DataParallel(net, devices=cpu_devices(3))(x, idx).sum().backward()
+    _chunkwise_reference(ref, x, idx, 3)
+    got, want = net.emb.weight.grad, ref.emb.weight.grad
+    assert got is not None and got.is_sparse == want.is_sparse == (-2 not in rows)
+    torch.testing.assert_close(got.to_dense(), want.to_dense())
+    torch.testing.assert_close(net.lin.weight.grad, ref.lin.weight.grad)
+
+
 @pytest.mark.parametrize("n", [2, 3])
 def test_double_backward_gradient_penalty(n):
     net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))

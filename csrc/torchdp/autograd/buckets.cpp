@@ -206,11 +206,26 @@ struct BroadcastBackward : Node {
       }
     }
     c10::MultiStreamGuard on_side_streams(side);
+    // A replica that did not use a tensor gave no gradient; where another gave a sparse one (an
+    // embedding used by some replicas), its zeros are sparse too, so the sum stays sparse.
+    std::vector<bool> sparse(num_inputs_, false);
+    for (const auto i : c10::irange(grads.size())) {
+      if (grads[i].defined() && grads[i].layout() == c10::kSparse) {
+        sparse[i % num_inputs_] = true;
+      }
+    }
     std::vector<std::vector<at::Tensor>> per_device(n);
     for (const auto j : c10::irange(n)) {
       per_device[j].reserve(wanted.size());
       for (auto k : wanted) {
-        per_device[j].push_back(grad_or_zeros(*this, grads, j * num_inputs_ + k));
+        const size_t slot = j * num_inputs_ + k;
+        if (!grads[slot].defined() && sparse[k]) {
+          const auto& meta = input_metadata(slot);
+          per_device[j].push_back(
+              at::zeros_symint(meta.shape_as_dim_vector(), meta.options().layout(c10::kSparse)));
+        } else {
+          per_device[j].push_back(grad_or_zeros(*this, grads, slot));
+        }
         if (side_streams_[j]) {
           record_on(per_device[j].back(), *side_streams_[j]);
         }

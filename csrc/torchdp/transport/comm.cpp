@@ -250,8 +250,17 @@ std::vector<at::Tensor> reduce_add_coalesced(const std::vector<std::vector<at::T
   at::NoGradGuard no_grad;
   std::vector<at::Tensor> result(count);
 
+  // A tensor that is sparse on any device is summed alone (a sparse and a dense one: densely).
+  std::vector<at::Tensor> layouts(first);
+  for (const auto& list : per_device) {
+    for (const auto k : c10::irange(count)) {
+      if (list[k].layout() != c10::kStrided) {
+        layouts[k] = list[k];
+      }
+    }
+  }
   std::vector<size_t> singles;
-  const auto buckets = make_buckets(first, buffer_size, singles);
+  const auto buckets = make_buckets(layouts, buffer_size, singles);
 #if TORCHDP_WITH_NCCL
   const auto root =
       static_cast<size_t>(std::find(devices.begin(), devices.end(), destination) - devices.begin());
@@ -284,9 +293,17 @@ std::vector<at::Tensor> reduce_add_coalesced(const std::vector<std::vector<at::T
     unflatten_into(sum, first, bucket, result);
   }
   for (auto k : singles) {
-    at::Tensor sum = copy_to(first[k], destination);
-    for (size_t j = 1; j < per_device.size(); ++j) {
-      sum = sum.add(move_to(per_device[j][k], destination));
+    // Start from a dense one if there is one: dense + sparse is dense, sparse + dense is refused.
+    size_t base = 0;
+    while (base < per_device.size() && per_device[base][k].layout() != c10::kStrided) {
+      ++base;
+    }
+    base = base < per_device.size() ? base : 0;
+    at::Tensor sum = copy_to(per_device[base][k], destination);
+    for (const auto j : c10::irange(per_device.size())) {
+      if (j != base) {
+        sum = sum.add(move_to(per_device[j][k], destination));
+      }
     }
     result[k] = sum;
   }
