@@ -2,6 +2,7 @@
 #include "replication.h"
 
 #include <torchdp/devices.h>
+#include <torchdp/enclosing_forward.h>
 #include <torchdp/profiling.h>
 #include <torchdp/replicate.h>
 
@@ -188,6 +189,13 @@ std::optional<std::tuple<std::string, std::string, c10::Device>> misplaced_tenso
   return std::nullopt; // a module whose named_* disagree with parameters()/buffers()
 }
 
+// The Python form of detail::EnclosingForwardGuard, a context manager (Note [Nested forwards]).
+struct EnclosingForward {
+  explicit EnclosingForward(uint64_t take) : take(take) {}
+  uint64_t take;
+  std::optional<torchdp::detail::EnclosingForwardGuard> guard;
+};
+
 } // namespace
 
 void init_replicate(py::module_& m) {
@@ -240,6 +248,15 @@ written back into them (Note [Buffers of failed forwards]).)doc")
       .def("release", &torchdp::BufferSnapshot::release,
            "Ends the forward the copy was taken for (its buffers are no longer marked as used).")
       .def("__len__", &torchdp::BufferSnapshot::size);
+  py::class_<EnclosingForward>(m, "EnclosingForward",
+                               R"doc(with EnclosingForward(snapshot): the replicas run inside the
+block belong to the forward `snapshot` was taken for (Note [Nested forwards]).)doc")
+      .def(py::init([](const torchdp::BufferSnapshot& snapshot) {
+             return new EnclosingForward(snapshot.take_id());
+           }),
+           py::arg("snapshot"))
+      .def("__enter__", [](EnclosingForward& self) { self.guard.emplace(self.take); })
+      .def("__exit__", [](EnclosingForward& self, const py::args&) { self.guard.reset(); });
   m.def("snapshot_buffers", torch::wrap_pybind_function([](py::object network) {
           TypeTable types;
           auto net = walk_network(network, types);

@@ -1,4 +1,5 @@
 #include <torchdp/data_parallel.h>
+#include <torchdp/enclosing_forward.h>
 
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
@@ -286,6 +287,7 @@ std::vector<at::Tensor> DataParallelImpl::run_here(std::vector<at::Tensor> input
   std::vector<at::Tensor> outputs(n);
   try {
     auto replicas = replicator_->replicate(used, /*detach=*/!c10::GradMode::is_enabled());
+    const detail::EnclosingForwardGuard enclosing(snapshot->take_id()); // Note [Nested forwards]
     parallel_run(n, used, [&](size_t i) {
       auto replica = wrap_(replicas[i]);
       outputs[i] = call(replica, per_replica[i]);

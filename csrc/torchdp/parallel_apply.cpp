@@ -1,4 +1,5 @@
 #include <torchdp/devices.h>
+#include <torchdp/enclosing_forward.h>
 #include <torchdp/errors.h>
 #include <torchdp/parallel_apply.h>
 
@@ -202,6 +203,7 @@ struct Run {
       : devices(devices.begin(), devices.begin() + static_cast<std::ptrdiff_t>(n)),
         streams(n),
         autocast_cache(at::autocast::is_autocast_cache_enabled()),
+        enclosing(detail::enclosing_forward()),
         errors(n),
         fn(std::move(fn)),
         latch(n > 0 ? n - 1 : 0) {
@@ -218,6 +220,7 @@ struct Run {
     try {
       at::ThreadLocalStateGuard tls_guard(state);
       at::autocast::set_autocast_cache_enabled(autocast_cache);
+      const detail::EnclosingForwardGuard forward(enclosing);
       c10::OptionalStreamGuard stream_guard;
       if (streams[i]) {
         stream_guard.reset_stream(*streams[i]);
@@ -245,6 +248,7 @@ struct Run {
   std::vector<std::optional<c10::Stream>> streams;
   const at::ThreadLocalState state;
   const bool autocast_cache;
+  const uint64_t enclosing; // Note [Nested forwards]
   std::vector<std::exception_ptr> errors;
   std::function<void(size_t)> fn;
   Latch latch;

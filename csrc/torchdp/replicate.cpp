@@ -1,6 +1,7 @@
 #include <torchdp/autograd.h>
 #include <torchdp/comm.h>
 #include <torchdp/devices.h>
+#include <torchdp/enclosing_forward.h>
 #include <torchdp/errors.h>
 #include <torchdp/profiling.h>
 #include <torchdp/replicate.h>
@@ -525,17 +526,54 @@ struct BufferUses {
     size_t active = 0;      // snapshots registered on the tensor
     uint64_t last_take = 0; // the latest of their take ids
   };
+
   std::mutex mutex;
   uint64_t takes = 0;
   std::unordered_map<const c10::TensorImpl*, Use> uses;
+  std::unordered_map<uint64_t, uint64_t> active_takes; // take -> its enclosing take
 
   static BufferUses& instance() {
     static auto* uses = new BufferUses(); // leaked: snapshots may outlive static destructors
     return *uses;
   }
+
+  // Whether `take` is `ancestor` or runs nested inside it. Under the mutex.
+  bool within(uint64_t take, uint64_t ancestor) const {
+    while (take != 0 && take != ancestor) {
+      const auto it = active_takes.find(take);
+      take = it == active_takes.end() ? 0 : it->second;
+    }
+    return take != 0;
+  }
 };
 
+// Note [Nested forwards]
+// A DataParallel inside a replica of another (or a forward run from a replica) snapshots tensors
+// that its enclosing forward snapshotted too: replica 0's buffers are the original's. That is
+// nesting, not a concurrent forward. While a forward runs its replicas, its take id is the
+// enclosing forward of its thread (EnclosingForwardGuard), carried into parallel_run's tasks; a
+// take inside it does not count as an overlap, and its release hands its tensors back to the
+// enclosing take, whose rollback then still holds. Takes outside that scope, in any thread, are
+// concurrent forwards.
+thread_local uint64_t enclosing_take = 0;
+
 } // namespace
+
+namespace detail {
+
+uint64_t enclosing_forward() {
+  return enclosing_take;
+}
+
+EnclosingForwardGuard::EnclosingForwardGuard(uint64_t take) : previous_(enclosing_take) {
+  enclosing_take = take;
+}
+
+EnclosingForwardGuard::~EnclosingForwardGuard() {
+  enclosing_take = previous_;
+}
+
+} // namespace detail
 
 void BufferSnapshot::release() {
   if (take_id_ == 0) {
@@ -543,11 +581,21 @@ void BufferSnapshot::release() {
   }
   auto& registry = BufferUses::instance();
   std::lock_guard<std::mutex> lock(registry.mutex);
+  const auto self = registry.active_takes.find(take_id_);
+  const uint64_t parent = self != registry.active_takes.end() ? self->second : 0;
   for (const auto& t : tensors_) {
     auto it = registry.uses.find(t.unsafeGetTensorImpl());
-    if (it != registry.uses.end() && --it->second.active == 0) {
-      registry.uses.erase(it);
+    if (it == registry.uses.end()) {
+      continue;
     }
+    if (--it->second.active == 0) {
+      registry.uses.erase(it);
+    } else if (it->second.last_take == take_id_ && parent != 0) {
+      it->second.last_take = parent; // Note [Nested forwards]
+    }
+  }
+  if (self != registry.active_takes.end()) {
+    registry.active_takes.erase(self);
   }
   take_id_ = 0;
   overlapped_ = false;
@@ -599,9 +647,11 @@ void BufferSnapshot::take(const std::vector<at::Tensor>& tensors) {
     auto& registry = BufferUses::instance();
     std::lock_guard<std::mutex> lock(registry.mutex);
     take_id_ = ++registry.takes;
+    const uint64_t parent = enclosing_take;
+    registry.active_takes[take_id_] = parent;
     for (const auto& t : tensors_) {
       auto& use = registry.uses[t.unsafeGetTensorImpl()];
-      overlapped_ = overlapped_ || use.active > 0;
+      overlapped_ = overlapped_ || (use.active > 0 && !registry.within(parent, use.last_take));
       ++use.active;
       use.last_take = take_id_;
     }

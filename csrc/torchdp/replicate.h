@@ -111,6 +111,11 @@ class BufferSnapshot {
   size_t size() const {
     return tensors_.size();
   }
+  /// The id of the forward it was taken for (0 when not taken); while that forward runs its
+  /// replicas, detail::EnclosingForwardGuard makes it theirs (Note [Nested forwards]).
+  uint64_t take_id() const {
+    return take_id_;
+  }
 
  private:
   struct Group { // the tensors of one device and dtype

@@ -79,6 +79,13 @@ class BufferSnapshot:
 
 def snapshot_buffers(network: nn.Module) -> BufferSnapshot: ...  # network.buffers(), as walked
 
+# `with EnclosingForward(snapshot):` the replicas run inside belong to snapshot's forward: a
+# DataParallel nested in them is not a concurrent forward (Note [Nested forwards]).
+class EnclosingForward:
+    def __init__(self, snapshot: BufferSnapshot) -> None: ...
+    def __enter__(self) -> None: ...
+    def __exit__(self, *args: object) -> None: ...
+
 # The CUDA-graph engine of cuda_graphs=True (Note [Graphed replicas]); RuntimeError without CUDA.
 class GraphedSteps:
     def __init__(self, devices: Sequence[torch.device], max_signatures: int, api: str) -> None: ...

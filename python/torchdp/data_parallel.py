@@ -81,7 +81,8 @@ def _run_replicated(
         finally:
             buffers = _buffer_snapshot(module, fallback=True)
         try:
-            outputs = apply_fn(replicas)
+            with _C.EnclosingForward(buffers):  # Note [Nested forwards]
+                outputs = apply_fn(replicas)
         finally:
             # Note [Kept replicas]: taken back only when nothing else holds them.
             del replicas

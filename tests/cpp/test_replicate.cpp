@@ -1,5 +1,9 @@
 #include "test_common.h"
 
+#include <torchdp/enclosing_forward.h>
+
+#include <thread>
+
 using namespace torchdp_test;
 
 namespace {
@@ -373,4 +377,47 @@ TEST_CASE("a skeleton's own tensors are freed as soon as it is built", "[cpu][re
   }
   // The replicas themselves hold the broadcast copies.
   CHECK(torch::equal(replicas[2]->parameters()[0], lin->weight));
+}
+
+TEST_CASE("a snapshot inside an enclosing forward's tasks is nesting, not another forward",
+          "[cpu][replicate]") {
+  // Note [Nested forwards]: a forward's replicas run under its EnclosingForwardGuard, which
+  // parallel_run carries into its tasks.
+  auto a = torch::zeros({3});
+  torchdp::BufferSnapshot outer;
+  outer.take({a});
+  a.add_(1); // the enclosing forward's own update
+  size_t inner_restored = 99;
+  {
+    const torchdp::detail::EnclosingForwardGuard enclosing(outer.take_id());
+    torchdp::parallel_run(2, {torch::kCPU, torch::kCPU}, [&](size_t i) {
+      if (i == 1) {
+        torchdp::BufferSnapshot inner;
+        inner.take({a});
+        a.add_(10);
+        inner_restored = inner.restore(); // the nested forward fails: its update undone
+        inner.release();
+      }
+    });
+  }
+  CHECK(inner_restored == 1);
+  CHECK(torch::equal(a, torch::ones({3})));
+  CHECK(outer.restore() == 1); // and the enclosing one's too
+  CHECK(torch::equal(a, torch::zeros({3})));
+  outer.release();
+
+  // A forward in a thread of its own is another forward: neither rolls back over the other.
+  outer.take({a});
+  size_t other_restored = 99;
+  std::thread([&] {
+    torchdp::BufferSnapshot other;
+    other.take({a});
+    a.add_(1);
+    other_restored = other.restore();
+    other.release();
+  }).join();
+  CHECK(other_restored == 0);
+  CHECK(outer.restore() == 0);
+  CHECK(torch::equal(a, torch::ones({3})));
+  outer.release();
 }

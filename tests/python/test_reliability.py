@@ -410,6 +410,55 @@ def test_a_rollback_never_erases_another_threads_updates():
         assert warned == 1
 
 
+class NormsAndFails(nn.Module):
+    """BatchNorm, then a failure on demand (any 99 in its input)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm1d(3)
+
+    def forward(self, x):
+        out = self.bn(x)
+        if bool((x == 99).any()):
+            raise RuntimeError("replica failure on demand")
+        return out
+
+
+class Outer(nn.Module):
+    """A torchdp.DataParallel inside a module that is itself wrapped: nested forwards."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = torchdp.DataParallel(NormsAndFails(), devices=[torch.device("cpu")] * 2)
+        self.bn = nn.BatchNorm1d(3)
+
+    def forward(self, x, fail_outer: bool = False):
+        out = self.bn(self.inner(x))
+        if fail_outer and bool((x == 98).any()):
+            raise RuntimeError("outer replica failure on demand")
+        return out
+
+
+@pytest.mark.parametrize("where", ["inner", "outer"])
+def test_nested_data_parallel_rolls_back_a_failed_forward(where):
+    # Note [Nested forwards]: the inner wrapper's snapshot is not another thread's forward.
+    net = Outer()
+    dp = torchdp.DataParallel(net, devices=[torch.device("cpu")] * 2)
+    dp(torch.randn(8, 3))  # a good step first: statistics that are not the initial ones
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    x = torch.randn(8, 3)
+    x[7, 0] = 99 if where == "inner" else 98  # in the outer replica 1's chunk, inner replica 1's
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(RuntimeError, match="failure on demand"):
+            dp(x, fail_outer=where == "outer")
+    assert not [w for w in caught if "not rolled back" in str(w.message)]
+    for key, value in net.state_dict().items():
+        assert torch.equal(value, before[key]), key
+    dp(torch.randn(8, 3))  # and the next step updates them again
+    assert int(net.bn.num_batches_tracked) == int(before["bn.num_batches_tracked"]) + 1
+
+
 # ---------------------------------------------------------------------------------------------
 # Ways in that must never crash the interpreter
 # ---------------------------------------------------------------------------------------------
