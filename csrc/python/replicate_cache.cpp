@@ -25,7 +25,6 @@ class ReplicaCache {
   py::tuple replicate(py::handle network, const std::vector<c10::Device>& devices_in, bool detach,
                       std::optional<int64_t> grad_bucket_bytes) {
     TORCH_CHECK_VALUE(!devices_in.empty(), kApi, ": ReplicaCache.replicate needs a device");
-    const PauseGarbageCollection no_gc; // Note [No garbage collection while replicas are built]
     std::optional<detail::ProfilerRange> phase;
     phase.emplace("torchdp.replicate.walk");
     Source s;

@@ -29,7 +29,6 @@ Replicas replicate(py::handle network, const std::vector<c10::Device>& devices_i
   if (devices_in.empty()) {
     return {};
   }
-  const PauseGarbageCollection no_gc; // Note [No garbage collection while replicas are built]
   std::optional<detail::ProfilerRange> phase;
   phase.emplace("torchdp.replicate.walk");
   Source s;

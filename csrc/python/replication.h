@@ -143,25 +143,6 @@ struct TensorCopies {
   }
 };
 
-// Note [No garbage collection while replicas are built]
-// Building replicas creates container objects per module and device, none of them garbage yet, over
-// which CPython would run several collections (now and then a full one). Automatic collection is
-// paused meanwhile and resumed only if it was on; the new objects count towards the next one.
-class PauseGarbageCollection {
- public:
-  PauseGarbageCollection() : was_enabled_(PyGC_Disable() == 1) {}
-  ~PauseGarbageCollection() {
-    if (was_enabled_) {
-      PyGC_Enable();
-    }
-  }
-  PauseGarbageCollection(const PauseGarbageCollection&) = delete;
-  PauseGarbageCollection& operator=(const PauseGarbageCollection&) = delete;
-
- private:
-  bool was_enabled_;
-};
-
 // What one replicate call learns before its transfer; never moved (entries point into `types`).
 struct Source {
   TypeTable types;

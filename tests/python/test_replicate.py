@@ -522,20 +522,40 @@ def test_replicas_follow_changes_between_calls():
     assert isinstance(r.new, nn.Linear) and r.new is not net.new
 
 
-def test_replicate_leaves_garbage_collection_as_it_was():
-    # Collection is paused while replicas are built (Note [No garbage collection while replicas
-    # are built]) and must come back exactly as it was, also after an error.
+class WatchesCollector(nn.Linear):
+    """Records whether the garbage collector runs while its replicas are built, and can turn it
+    off from there, as another thread could."""
+
+    seen: list[bool] = []
+    disable = False
+
+    def _replicate_for_data_parallel(self):
+        import gc
+
+        WatchesCollector.seen.append(gc.isenabled())
+        if WatchesCollector.disable:
+            gc.disable()
+        return super()._replicate_for_data_parallel()
+
+
+def test_replicate_leaves_the_garbage_collector_to_the_program():
+    # The collector is process-wide: replication must neither turn it off where other code (or
+    # another thread) sees it, nor undo a change made meanwhile.
     import gc
 
-    net = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    net = nn.Sequential(WatchesCollector(2, 2), nn.ReLU())
+    WatchesCollector.seen.clear()
     assert gc.isenabled()
     torchdp.replicate(net, [CPU, CPU])
+    torchdp.DataParallel(net, devices=[CPU, CPU])(torch.randn(4, 2))
+    assert WatchesCollector.seen and all(WatchesCollector.seen)
     assert gc.isenabled()
-    gc.disable()
+    WatchesCollector.disable = True
     try:
         torchdp.replicate(net, [CPU, CPU])
-        assert not gc.isenabled()
+        assert not gc.isenabled()  # the change made during replication stands
     finally:
+        WatchesCollector.disable = False
         gc.enable()
     with pytest.raises(RuntimeError, match="is on meta but the replicas are built from"):
         torchdp.replicate(nn.Linear(2, 2, device="meta"), [CPU, CPU])
