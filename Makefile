@@ -6,7 +6,8 @@
 #   make bench  the benchmark suite, all modes side by side, into benchmarks/results/ (GPUs)
 #   make soak   many training steps, failing when memory or the thread count grow
 #   make demo   train a small masked model with torchdp.DataParallel (Python) and check it
-#   make docs   the Sphinx site into $(BUILD)/docs/html, warnings as errors
+#   make docs   the Sphinx site into $(BUILD)/docs/html, warnings as errors, against the torchdp
+#               that imports (after make python or make test; it builds nothing)
 #   make check-install   a fresh virtualenv installs torchdp with pip as a user does, imports it
 #               from outside the tree and builds a C++ app against it (tests/consumer/fresh_venv.sh)
 #   make demo-cpp   the same with torchdp::DataParallel in C++
@@ -136,13 +137,22 @@ bench: python
 soak: python
 	PYTHONPATH=$(CURDIR)/python $(PYTHON) benchmarks/soak.py $(SOAK_ARGS)
 
-# The docs site (docs/), with warnings as errors; the API pages import the in-place extension.
-docs: python
+# The docs site (docs/), with warnings as errors. The API pages document the torchdp that imports:
+# this tree's when its extension is built in place, else an installed one (as docs/conf.py does).
+# Nothing is built: without an importable torchdp it stops and says what to run. The docs tools,
+# when missing, are installed (pinned, announced), as `deps` installs pytest.
+docs:
 	@$(PYTHON) -c "import sphinx, myst_parser, furo" 2>/dev/null || { \
-	  echo "== installing the docs tools (docs/requirements.txt)"; \
+	  echo "== make docs: installing the docs tools into $(PYTHON) (docs/requirements.txt)"; \
 	  $(PYTHON) -m pip install --quiet -r docs/requirements.txt; }
-	PYTHONPATH=$(CURDIR)/python $(PYTHON) -m sphinx -W --keep-going -q -b html \
-	  -d $(BUILD)/docs/doctrees docs $(BUILD)/docs/html
+	@where=$$($(if $(wildcard python/torchdp/_C*.so),PYTHONPATH=$(CURDIR)/python) $(PYTHON) -c \
+	  "import torchdp; print(torchdp.__version__, 'from', torchdp.__file__)" 2>&1) || { \
+	  echo "$$where" | tail -n 1; \
+	  echo "make docs: no importable torchdp. Build the extension in place with 'make python'" \
+	    "(or 'make test'), or install torchdp ('pip install --no-build-isolation .'), then run" \
+	    "'make docs' again."; exit 1; }; \
+	echo "== make docs: the API pages document torchdp $$where"
+	$(PYTHON) -m sphinx -W --keep-going -q -b html -d $(BUILD)/docs/doctrees docs $(BUILD)/docs/html
 	@echo "== docs: $(BUILD)/docs/html/index.html"
 
 # The user's install in a fresh virtualenv (its own Release build, in build-setup/).

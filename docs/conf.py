@@ -7,10 +7,18 @@ import re
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-# The package as built in place by `make python` (python/torchdp/_C*.so).
-sys.path.insert(0, str(ROOT / "python"))
+# The API pages document the torchdp that imports: the package of this tree when its extension is
+# built in place (`make python`, `make test`, an editable install), else an installed one.
+if any((ROOT / "python" / "torchdp").glob("_C*.so")):
+    sys.path.insert(0, str(ROOT / "python"))
 
-import torchdp  # noqa: E402
+try:
+    import torchdp  # noqa: E402
+except ImportError as error:
+    raise RuntimeError(
+        f"the docs need an importable torchdp ({error}): build it in place with `make python` "
+        "(or `make test`), or install it with `pip install --no-build-isolation .`"
+    ) from error
 
 project = "torchdp"
 copyright = "2026, the torchdp contributors"

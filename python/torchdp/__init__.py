@@ -37,6 +37,7 @@ from torchdp.patch import TorchPatch, patch_torch
 from torchdp.replicate import replicate
 from torchdp.scatter_gather import gather, scatter, scatter_kwargs
 
+#: The torchdp release, such as ``"0.1.0"`` (the version the extension was built as).
 __version__: str = _C.__version__
 
 #: The folder to add to ``CMAKE_PREFIX_PATH`` so that ``find_package(TorchDP)`` finds the C++

@@ -67,6 +67,7 @@ class DataParallelCriterion(nn.Module):
         reduction: str | None = None,
         check_targets: bool = True,
     ) -> None:
+        """Wraps :attr:`criterion`; the arguments are described in the class docstring."""
         super().__init__()
         if not callable(criterion):
             raise TypeError(
@@ -106,6 +107,27 @@ class DataParallelCriterion(nn.Module):
         return list(replicate(crit, devices, not torch.is_grad_enabled()))
 
     def forward(self, outputs: Sequence[Any], *targets: Any, **kwargs: Any) -> torch.Tensor:
+        r"""Computes each replica's loss on its device and combines them on one device.
+
+        Args:
+            outputs (list): the per-replica outputs of
+                ``torchdp.DataParallel(..., gather_output=False)``, output ``i`` on its device.
+            *targets: the whole batch's targets (for example the class indices), split along
+                :attr:`dim` like the DataParallel's inputs; Python numbers and other objects go
+                to every replica as they are.
+            **kwargs: keyword arguments of the criterion, split like the targets.
+
+        Returns:
+            Tensor: on :attr:`output_device` (default: the first output's device), the loss of
+            the whole batch under :attr:`reduction`: a scalar for ``"mean"``,
+            ``"batchmean"`` and ``"sum"``, the per-sample losses concatenated along :attr:`dim`
+            for ``"none"``.
+
+        Raises:
+            TypeError: :attr:`outputs` is not a list or tuple of per-replica outputs.
+            ValueError: the targets do not split into one chunk per output, or (with
+                ``check_targets``) a chunk's size differs from its output's.
+        """
         if not isinstance(outputs, (list, tuple)):
             raise TypeError(
                 f"{_API}: expected the list of per-replica outputs that "

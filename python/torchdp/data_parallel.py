@@ -343,6 +343,7 @@ class DataParallel(_TorchDataParallel[T]):
         process_group: Any = None,
         broadcast_buffers: bool = True,
     ) -> None:
+        """Wraps :attr:`module`; the arguments are described in the class docstring."""
         # Not torch.nn.DataParallel.__init__: the base class is there for isinstance checks.
         nn.Module.__init__(self)
         torch._C._log_api_usage_once(_API)
@@ -428,6 +429,32 @@ class DataParallel(_TorchDataParallel[T]):
             raise _device_error(self.src_device_obj, found, wrapper=True)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        r"""Runs :attr:`module` on every device, each replica on its share of the inputs.
+
+        Tensors in the inputs, also inside lists, tuples, dicts and types registered with
+        ``torch.utils._pytree``, are split into chunks along :attr:`dim`, chunk ``i`` going to
+        ``device_ids[i]``; other objects are passed to every replica as they are. A batch
+        smaller than the device list runs fewer replicas. With one device, or no accelerator
+        and no ``devices=``, the module is called directly.
+
+        Args:
+            *inputs: the module's positional arguments.
+            **kwargs: the module's keyword arguments, split like the positional ones.
+
+        Returns:
+            Any: the replicas' outputs gathered on :attr:`output_device`, the tensors
+            concatenated along :attr:`dim`, in the structure the module returns. With
+            ``gather_output=False``, the list of the replicas' outputs instead, each on its own
+            device, for :class:`torchdp.DataParallelCriterion`.
+
+        Raises:
+            RuntimeError: :attr:`module` is not on ``device_ids[0]`` (and ``place_module`` is
+                off); the message names the misplaced parameter or buffer.
+            ValueError: tensor inputs split into different numbers of chunks along :attr:`dim`.
+
+        An exception in a replica's forward is raised again with its type, the message
+        naming the replica and its device.
+        """
         with record_function("DataParallel.forward"):
             watch = self._before_forward()
             if not self.device_ids:
