@@ -78,8 +78,17 @@ TOL = {"rtol": 1e-4, "atol": 1e-5}
 def _gpt2():
     transformers = _package("transformers")
     config = transformers.GPT2Config(
-        vocab_size=50, n_positions=16, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
-        embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+        vocab_size=50,
+        n_positions=16,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        use_cache=False,
+        bos_token_id=0,
+        eos_token_id=0,
     )
     return transformers.GPT2LMHeadModel(config)
 
@@ -87,9 +96,15 @@ def _gpt2():
 def _bert():
     transformers = _package("transformers")
     config = transformers.BertConfig(
-        vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-        intermediate_size=64, max_position_embeddings=16, hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0, num_labels=3,
+        vocab_size=50,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=16,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        num_labels=3,
     )
     return transformers.BertForSequenceClassification(config)
 

@@ -154,7 +154,9 @@ def _chunkwise_reference(net, x, idx, n):
     loss.backward()
 
 
-@pytest.mark.parametrize("rows", [[0, 0, -1, -1, 0, 0], [-1, -1, 0, 0, -1, -1], [0, 0, -1, -1, -2, -2]])
+@pytest.mark.parametrize(
+    "rows", [[0, 0, -1, -1, 0, 0], [-1, -1, 0, 0, -1, -1], [0, 0, -1, -1, -2, -2]]
+)
 def test_a_sparse_gradient_from_some_replicas_only(rows):
     # pytorch's reduce densifies a sparse gradient meeting a dense one; replicas that did not use
     # the embedding give none, and the sum stays sparse as on one device.

@@ -505,5 +505,3 @@ def test_gather_names_the_replicas_and_keys_of_different_dicts():
     outputs = [{"a": torch.ones(1), "b": torch.ones(1)}, {"a": torch.ones(1), "c": torch.ones(1)}]
     with pytest.raises(ValueError, match=r"replica 0 has \['a', 'b'\], replica 1 has \['a', 'c'\]"):
         torchdp.gather(outputs, "cpu")
-
-
