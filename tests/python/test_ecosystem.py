@@ -110,7 +110,7 @@ def _bert():
 
 
 @pytest.mark.parametrize("devices", DEVICES)
-def test_gpt2_outputs_agree_by_attribute_and_by_item(devices):
+def test_gpt2_outputs_agree_by_attribute_and_by_item(devices, exact_cuda_math):
     model = _gpt2().to(_on(devices))
     ids = torch.randint(0, 50, (6, 5), device=_on(devices))
     ref = model(input_ids=ids, labels=ids)
@@ -126,7 +126,7 @@ def test_gpt2_outputs_agree_by_attribute_and_by_item(devices):
 
 
 @pytest.mark.parametrize("devices", DEVICES)
-def test_gpt2_language_model_trains_as_on_one_device(devices):
+def test_gpt2_language_model_trains_as_on_one_device(devices, exact_cuda_math):
     model = _gpt2().to(_on(devices))
     ref = copy.deepcopy(model)
     ids = torch.randint(0, 50, (6, 5), device=_on(devices))
@@ -138,7 +138,7 @@ def test_gpt2_language_model_trains_as_on_one_device(devices):
 
 
 @pytest.mark.parametrize("devices", DEVICES)
-def test_bert_classifier_trains_as_on_one_device(devices):
+def test_bert_classifier_trains_as_on_one_device(devices, exact_cuda_math):
     model = _bert().to(_on(devices))
     ref = copy.deepcopy(model)
     dev = _on(devices)
@@ -190,8 +190,18 @@ def test_model_output_as_an_input_is_split_with_its_attributes():
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.fixture
+def exact_cuda_math():
+    """TF32 off while the test runs: convolutions and matmuls in full fp32 precision on GPUs,
+    so that differences in summation order stay at fp32's rounding."""
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+
+
 @pytest.mark.parametrize("devices", DEVICES)
-def test_torchvision_classifier_matches_one_device(devices):
+def test_torchvision_classifier_matches_one_device(devices, exact_cuda_math):
     torchvision = _package("torchvision")
     dev = _on(devices)
     model = torchvision.models.resnet18(num_classes=5).to(dev)
@@ -200,8 +210,16 @@ def test_torchvision_classifier_matches_one_device(devices):
     x = torch.randn(6, 3, 32, 32, device=dev)
     y = torch.tensor([0, 1, 2, 3, 4, 0], device=dev)
 
+    # Eval mode: the same function of each sample, so the whole batch matches.
+    model.eval()
+    ref.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(dp(x), ref(x), **TOL)
+
     # Train mode: BatchNorm normalises each replica's chunk, so the reference runs the plain
     # model chunk by chunk; the summed loss and its gradients must agree.
+    model.train()
+    ref.train()
     size = -(-6 // len(devices))
     loss = nn.functional.cross_entropy(dp(x), y, reduction="sum")
     want = sum(
@@ -214,15 +232,9 @@ def test_torchvision_classifier_matches_one_device(devices):
     for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, msg=name, rtol=1e-3, atol=1e-4)
 
-    # Eval mode: the same function of each sample, so the whole batch matches.
-    model.eval()
-    ref.eval()
-    with torch.no_grad():
-        torch.testing.assert_close(dp(x), ref(x), **TOL)
-
 
 @pytest.mark.parametrize("devices", DEVICES)
-def test_torchvision_segmentation_dict_output(devices):
+def test_torchvision_segmentation_dict_output(devices, exact_cuda_math):
     torchvision = _package("torchvision")
     dev = _on(devices)
     seg = torchvision.models.segmentation.deeplabv3_mobilenet_v3_large(
