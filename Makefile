@@ -12,6 +12,8 @@
 #               from outside the tree and builds a C++ app against it (tests/consumer/fresh_venv.sh)
 #   make demo-cpp   the same with torchdp::DataParallel in C++
 #   make test-sanitize   the C++ and Python tests against an AddressSanitizer + UBSan build
+#   make test-torch TORCH_VERSION=X.Y.Z   `make test` in a fresh virtualenv with that torch (pip's
+#               default build: CUDA on Linux); NO_CUDA_TOOLKIT=1 as on a machine without the toolkit
 # TORCHDP_REQUIRE_CUDA=1 makes a GPU run fail instead of skipping its CUDA cases and requires the
 # CUDA and NCCL fast paths at configure time.
 
@@ -23,14 +25,20 @@ TORCH_VERSION ?= 2.13.0
 # internet can take the CPU build with TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu (the CI
 # and development machines have the CPU wheel in pip's local wheel folder and leave it empty).
 TORCH_INDEX_URL ?=
+# Extra CMake arguments, for every CMake configure here (the build, the consumer app, the sanitizer
+# build, and setup.py's build through TORCHDP_CMAKE_ARGS in install-python and check-install).
 CMAKE_ARGS ?=
+export CMAKE_ARGS
+# Extra packages the Python tests use when present (the ecosystem tests: transformers,
+# torchvision), installed by deps with torch held at the installed release.
+TEST_PACKAGES ?=
 
 ifeq ($(TORCHDP_REQUIRE_CUDA),1)
 CUDA_ARGS := -DTORCHDP_WITH_CUDA=ON -DTORCHDP_WITH_NCCL=ON
 endif
 
 .PHONY: all deps configure build test test-cpp consumer python test-python install-python demo \
-	demo-cpp bench soak clean test-sanitize docs check-install
+	demo-cpp bench soak clean test-sanitize docs check-install test-torch
 
 all: build
 
@@ -53,9 +61,15 @@ deps:
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing >/dev/null; \
 	fi
-	@$(PYTHON) -c "import pytest, hypothesis, matplotlib, transformers" 2>/dev/null || { \
-	  echo "== installing pytest hypothesis matplotlib transformers"; \
-	  $(PYTHON) -m pip install --quiet pytest hypothesis matplotlib transformers; }
+	@$(PYTHON) -c "import pytest, hypothesis, matplotlib" 2>/dev/null || { \
+	  echo "== installing pytest hypothesis matplotlib"; \
+	  $(PYTHON) -m pip install --quiet pytest hypothesis matplotlib; }
+	@[ -z "$(strip $(TEST_PACKAGES))" ] || $(PYTHON) -c "import re, sys, importlib.metadata as m; \
+	  [m.distribution(re.split(r'[<>=!~;\[ ]', p)[0]) for p in sys.argv[1:]]" $(TEST_PACKAGES) \
+	  2>/dev/null || { echo "== installing $(TEST_PACKAGES)"; mkdir -p $(BUILD); \
+	  $(PYTHON) -c "import torch; print('torch==' + torch.__version__.split('+')[0])" \
+	    >$(BUILD)/torch-constraint.txt; \
+	  $(PYTHON) -m pip install --quiet -c $(BUILD)/torch-constraint.txt $(TEST_PACKAGES); }
 
 # The one build also builds the torchdp._C extension straight into python/torchdp, so that
 # PYTHONPATH=python imports it (the in-place build used by test-python).
@@ -81,7 +95,7 @@ consumer: build
 	@prefix=$$($(PYTHON) -c "import torch.utils; print(torch.utils.cmake_prefix_path)"); \
 	gen=$$(command -v ninja >/dev/null && echo Ninja || echo "Unix Makefiles"); \
 	cmake -S tests/consumer -B $(BUILD)/consumer -G "$$gen" \
-	  -DCMAKE_PREFIX_PATH="$(CURDIR)/$(BUILD)/_install;$$prefix" >/dev/null
+	  -DCMAKE_PREFIX_PATH="$(CURDIR)/$(BUILD)/_install;$$prefix" $(CMAKE_ARGS) >/dev/null
 	cmake --build $(BUILD)/consumer
 	$(BUILD)/consumer/torchdp_consumer
 
@@ -98,7 +112,7 @@ test-python: build
 
 # The setup.py driven build, as a user installs it (editable: python/torchdp is the package).
 install-python: deps
-	MAX_JOBS=$(JOBS) TORCHDP_CMAKE_ARGS="$(strip $(CUDA_ARGS) $(TORCHDP_CMAKE_ARGS))" \
+	MAX_JOBS=$(JOBS) TORCHDP_CMAKE_ARGS="$(strip $(CUDA_ARGS) $(TORCHDP_CMAKE_ARGS) $(CMAKE_ARGS))" \
 	  $(PYTHON) -m pip install --no-build-isolation -e .
 
 test: test-cpp consumer test-python
@@ -184,6 +198,25 @@ test-sanitize: deps
 	  $(SAN_ENV) TORCHDP_TEST_EXTENSION=required \
 	  PYTHONPATH=$(CURDIR)/$(SAN_BUILD)/python:$(CURDIR)/$(SAN_BUILD)/tests/python \
 	  $(PYTHON) -m pytest -p no:cacheprovider tests/python
+
+# `make test` against another torch: a fresh virtualenv in $(TORCH_VENV) with torch==$(TORCH_VERSION)
+# (pip's default build, a CUDA one on Linux; TORCH_INDEX_URL picks another), its own build in
+# $(TORCH_BUILD), then the whole of `make test` there. The version asked for wins over a pip
+# constraint file that caps torch (PIP_CONSTRAINT is emptied for this virtualenv's installs).
+# NO_CUDA_TOOLKIT=1 runs it as on a machine without the CUDA toolkit (tests/consumer/
+# without_cuda_toolkit.sh). The extension is built in place, as by `make test`: it is removed
+# afterwards, so that the next `make test` relinks its own.
+TORCH_BUILD ?= build-torch$(TORCH_VERSION)
+TORCH_VENV ?= $(CURDIR)/$(TORCH_BUILD)/venv
+test-torch:
+	rm -rf $(TORCH_VENV)
+	$(PYTHON) -m venv $(TORCH_VENV)
+	@echo "== $(TORCH_VENV): torch==$(TORCH_VERSION), build in $(TORCH_BUILD)/build"
+	@status=0; PIP_CONSTRAINT=/dev/null \
+	  $(if $(filter 1,$(NO_CUDA_TOOLKIT)),bash tests/consumer/without_cuda_toolkit.sh) \
+	  $(MAKE) --no-print-directory test PYTHON=$(TORCH_VENV)/bin/python BUILD=$(TORCH_BUILD)/build \
+	  TORCH_VERSION=$(TORCH_VERSION) || status=$$?; \
+	rm -f python/torchdp/_C.*.so python/torchdp/_build_info.py; exit $$status
 
 clean:
 	rm -rf $(BUILD) $(SAN_BUILD)

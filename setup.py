@@ -42,14 +42,25 @@ def read_version() -> str:
     return match.group(1)
 
 
+def supported_torch() -> str:
+    """The torch releases torchdp is tested with, from TORCHDP_TORCH_OLDEST and
+    TORCHDP_TORCH_NEWEST in CMakeLists.txt (which checks the torch it builds against too)."""
+    text = (ROOT / "CMakeLists.txt").read_text()
+    oldest = re.search(r"set\(TORCHDP_TORCH_OLDEST\s+([0-9.]+)\)", text)
+    newest = re.search(r"set\(TORCHDP_TORCH_NEWEST\s+([0-9]+)\.([0-9]+)\)", text)
+    if oldest is None or newest is None:
+        raise RuntimeError("setup.py: no TORCHDP_TORCH_OLDEST/NEWEST in CMakeLists.txt")
+    return f">={oldest.group(1)},<{newest.group(1)}.{int(newest.group(2)) + 1}"
+
+
 def torch_requirement() -> list[str]:
     """torch pinned to the release this build links against (local tags such as +cpu dropped, so
     that the CPU and CUDA builds of that release both satisfy it; torchdp's import checks the full
-    version)."""
+    version). Without torch (metadata only, as for an sdist), the supported range."""
     try:
         import torch
     except ImportError:
-        return ["torch"]  # build_ext reports the missing torch
+        return [f"torch{supported_torch()}"]  # build_ext reports the missing torch
     return [f"torch=={torch.__version__.split('+')[0]}"]
 
 

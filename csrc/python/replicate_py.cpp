@@ -211,7 +211,9 @@ void init_replicate(py::module_& m) {
           if (report) {
             return py::make_tuple(copies, result.plain_only);
           }
-          return std::move(copies);
+          // Converting to the return type explicitly: an implicit move from py::list to
+          // py::object is C++20 only, and there std::move is redundant.
+          return py::object(std::move(copies));
         }),
         py::arg("network"), py::arg("devices"), py::arg("detach") = false,
         py::arg("grad_bucket_bytes") = py::none(), py::kw_only(), py::arg("report") = false,

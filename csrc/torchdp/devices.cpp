@@ -102,7 +102,8 @@ void check_output_device(const std::vector<c10::Device>& devices, c10::Device ou
 }
 
 std::string devices_to_string(const std::vector<c10::Device>& devices) {
-  return "[" + c10::Join(", ", devices) + "]";
+  // c10::str, not "[" + std::string: GCC 12 and 13 warn -Wrestrict on that inlined concatenation.
+  return c10::str("[", c10::Join(", ", devices), "]");
 }
 
 } // namespace torchdp

@@ -16,9 +16,19 @@ def _check_torch_version() -> None:
         raise ImportError(
             f"torchdp was built against torch {torch_version} (CUDA {cuda_version or 'none'}), "
             f"but torch {torch.__version__} (CUDA {torch.version.cuda or 'none'}) is installed. "
-            f"Install torch=={torch_version}, or rebuild torchdp against this torch: pip install "
-            "-v --no-build-isolation --force-reinstall --no-deps <torchdp source folder>"
+            f"Install that torch ({_torch_install_command(torch_version)}), or rebuild torchdp "
+            "against this torch: pip install -v --no-build-isolation --force-reinstall --no-deps "
+            "<torchdp source folder>"
         )
+
+
+def _torch_install_command(version: str) -> str:
+    # Indexes serve the release, not the local tag: PyPI has no "+cu130" or "+cpu" builds; the
+    # PyTorch index named after the tag serves exactly that build.
+    release, _, local = version.partition("+")
+    if not local:
+        return f"pip install torch=={release}"
+    return f"pip install torch=={release} --index-url https://download.pytorch.org/whl/{local}"
 
 
 _check_torch_version()
@@ -52,7 +62,7 @@ def has_cuda() -> bool:
 
 
 def has_nccl() -> bool:
-    """True when torchdp was built with its NCCL transport."""
+    """True when torchdp was built with its NCCL transport, whether or not a GPU is visible."""
     return bool(_C.has_nccl())
 
 

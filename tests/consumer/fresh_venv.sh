@@ -4,12 +4,15 @@
 # metadata (license, pinned torch) and its stripped module; and this folder's C++ app built
 # against the pip-installed package through torchdp.cmake_prefix_path alone.
 #   tests/consumer/fresh_venv.sh [VENV_DIR]      (default: build/fresh-venv)
-# TORCH_VERSION (default 2.13.0) and TORCH_INDEX_URL choose the torch that goes into the venv.
+# TORCH_VERSION (default 2.13.0) and TORCH_INDEX_URL choose the torch that goes into the venv;
+# CMAKE_ARGS (shell words) go to both CMake configures (setup.py's through TORCHDP_CMAKE_ARGS).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 venv=$(realpath -m "${1:-$root/build/fresh-venv}")
 python=${PYTHON:-python3}
 torch_version=${TORCH_VERSION:-2.13.0}
+eval "cmake_args=(${CMAKE_ARGS:-})"
+export TORCHDP_CMAKE_ARGS="${TORCHDP_CMAKE_ARGS:-} ${CMAKE_ARGS:-}"
 
 rm -rf "$venv"
 "$python" -m venv "$venv"
@@ -43,7 +46,8 @@ PY
 
 prefix=$("$venv/bin/python" -c 'import torchdp; print(torchdp.cmake_prefix_path)')
 gen=$(command -v ninja >/dev/null && echo Ninja || echo "Unix Makefiles")
-cmake -S "$root/tests/consumer" -B consumer -G "$gen" -DCMAKE_PREFIX_PATH="$prefix" >/dev/null
+cmake -S "$root/tests/consumer" -B consumer -G "$gen" -DCMAKE_PREFIX_PATH="$prefix" \
+  "${cmake_args[@]}" >/dev/null
 cmake --build consumer >/dev/null
 ./consumer/torchdp_consumer
 ./consumer/torchdp_readme_app >/dev/null

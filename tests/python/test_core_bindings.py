@@ -15,13 +15,16 @@ CPU = torch.device("cpu")
 
 
 def test_runtime_queries():
+    # has_cuda(): built with the CUDA fast paths *and* a CUDA device visible now; has_nccl(): built
+    # with the NCCL transport, whatever the machine has. A CUDA + NCCL build on a machine without
+    # a GPU (a CUDA wheel of torch on a CPU runner) answers has_nccl() True, has_cuda() False.
     assert isinstance(_C.has_cuda(), bool)
     assert isinstance(_C.has_nccl(), bool)
     assert isinstance(_C.cuda_device_count(), int)
     if not torch.cuda.is_available():
         assert not _C.has_cuda()
         assert _C.cuda_device_count() == 0
-    if _C.has_nccl():
+    elif _C.has_nccl():  # NCCL is built only with the CUDA fast paths
         assert _C.has_cuda()
 
 
@@ -228,3 +231,11 @@ def test_parallel_apply_sets_the_current_cuda_device_and_stream():
             ctx.__exit__(None, None, None)
     assert [o[0] for o in out] == [d.index for d in devices]
     assert [o[1] for o in out] == streams
+
+
+def test_torch_mismatch_suggests_an_installable_torch():
+    # The ImportError on a torch mismatch names a command an index serves: no local tag in "==".
+    assert torchdp._torch_install_command("2.13.0") == "pip install torch==2.13.0"
+    assert torchdp._torch_install_command("2.14.1+cu130") == (
+        "pip install torch==2.14.1 --index-url https://download.pytorch.org/whl/cu130"
+    )
