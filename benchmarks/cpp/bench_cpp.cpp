@@ -638,20 +638,24 @@ struct Bench {
     for (const std::string mode : {"single", "torchdp", "torchdp_new_replicas"}) {
       const bool one = mode == "single";
       const auto on = one ? std::vector<torch::Device>{devices.front()} : devices;
-      auto& r = run(base("cpp_train_step", name, mode, one ? 1 : n), "step_ms_median",
-                    [&](Record& r) {
-                      auto module = make();
-                      auto step = torchdp_bench::script_train_step(module, input, on, mode);
-                      const auto loss = step(); // the first step: loss and gradient norm
-                      r.num("loss_first", loss.item<double>())
-                          .num("grad_norm_first", torchdp_bench::script_grad_norm(module));
-                      synchronize(devices);
-                      reset_peak_memory(on);
-                      summarize(r, time_steps([&]() { step(); }, on,
-                                              std::max(0, settings.warmup - 1), settings.steps),
-                                "step_ms");
-                      r.set("peak_mem_gib", json_list(peak_memory_gib(on)));
-                    });
+      auto& r =
+          run(base("cpp_train_step", name, mode, one ? 1 : n), "step_ms_median", [&](Record& r) {
+            auto module = make();
+            auto step = torchdp_bench::script_train_step(module, input, on, mode);
+            const auto loss = step(); // the first step: loss and gradient norm
+            r.num("loss_first", loss.item<double>())
+                .num("grad_norm_first", torchdp_bench::script_grad_norm(module));
+            synchronize(devices);
+            reset_peak_memory(on);
+            summarize(r,
+                      time_steps(
+                          [&]() {
+                            step();
+                          },
+                          on, std::max(0, settings.warmup - 1), settings.steps),
+                      "step_ms");
+            r.set("peak_mem_gib", json_list(peak_memory_gib(on)));
+          });
       if (one) {
         single_ms = median_of(r, "step_ms_median");
       } else {
@@ -934,10 +938,10 @@ int main(int argc, char** argv) {
                           " (M: MaxPool2d(2)), global average pool, Linear" + conv_shape},
       {"cpp_convnet_flat", "Conv2d(3x3)+BatchNorm2d+ReLU blocks, plan " + plan_text(flat_plan) +
                                ", global average pool, Linear" + conv_shape},
-      {"cpp_script_mlp200", "cpp_mlp200's model and weights as a TorchScript module: " +
-                                std::to_string(mlp_layers) + " x (Linear(" +
-                                std::to_string(mlp_width) + ", " + std::to_string(mlp_width) +
-                                "), ReLU), batch " + std::to_string(mlp_batch)},
+      {"cpp_script_mlp200",
+       "cpp_mlp200's model and weights as a TorchScript module: " + std::to_string(mlp_layers) +
+           " x (Linear(" + std::to_string(mlp_width) + ", " + std::to_string(mlp_width) +
+           "), ReLU), batch " + std::to_string(mlp_batch)},
   };
 
   torch::manual_seed(0);

@@ -22,8 +22,7 @@ torch::jit::Module script_mlp(const std::vector<at::Tensor>& parameters) {
     auto linear = linear_type
                       ? torch::jit::Module(cu, linear_type)
                       : torch::jit::Module(c10::QualifiedName("__torch__.bench.Linear"), cu);
-    linear.register_parameter("weight", parameters[2 * i].detach().clone().requires_grad_(),
-                              false);
+    linear.register_parameter("weight", parameters[2 * i].detach().clone().requires_grad_(), false);
     linear.register_parameter("bias", parameters[2 * i + 1].detach().clone().requires_grad_(),
                               false);
     if (!linear_type) { // the methods belong to the class: defined once for every layer

@@ -234,7 +234,8 @@ class DataParallelImpl : public torch::nn::Module {
   ///   auto [logits, aux] = dp->forward<std::tuple<at::Tensor, at::Tensor>>(x, 0.5);
   template <typename Output = at::Tensor, typename... Args>
   Output forward(const Args&... inputs) {
-    static_assert(sizeof...(Args) > 0, "torchdp::DataParallel::forward needs at least one argument");
+    static_assert(sizeof...(Args) > 0,
+                  "torchdp::DataParallel::forward needs at least one argument");
     if constexpr (std::is_same_v<Output, at::Tensor> &&
                   (std::is_convertible_v<Args, at::Tensor> && ...)) {
       check_call(typeid(Output),
@@ -354,7 +355,8 @@ class DataParallelImpl : public torch::nn::Module {
                                      const std::tuple<const Args&...>& originals,
                                      std::index_sequence<I...>) {
     const auto& parts = packed.toTupleRef().elements();
-    return c10::IValue(m.forward<Output>(detail::argument_of<Args>(parts[I], std::get<I>(originals))...));
+    return c10::IValue(
+        m.forward<Output>(detail::argument_of<Args>(parts[I], std::get<I>(originals))...));
   }
   template <typename Output, typename... Args>
   static StructuredCall make_structured_call(const Args&... inputs) {

@@ -53,9 +53,8 @@ void DataParallelImpl::check_call(const std::type_info& output,
                    ">(...) to get the gathered output in that type");
 }
 
-std::vector<c10::IValue> DataParallelImpl::run_structured(c10::IValue inputs,
-                                                          const StructuredCall& call,
-                                                          std::shared_ptr<BufferSnapshot>* buffers) {
+std::vector<c10::IValue> DataParallelImpl::run_structured(
+    c10::IValue inputs, const StructuredCall& call, std::shared_ptr<BufferSnapshot>* buffers) {
   detail::for_each_tensor(inputs, kArgumentNames, [](const at::Tensor& t, const auto& name) {
     TORCH_CHECK(t.defined(), kApi, ": ", name(), " is an undefined tensor");
   });
@@ -110,8 +109,8 @@ c10::IValue DataParallelImpl::join_structured(
     return detail::to_device(outputs.front(), *output_device_, kApi, kOutputNames);
   }
   try {
-    auto gathered = detail::gather_value(outputs, *output_device_, options.dim(), kApi,
-                                         kOutputNames);
+    auto gathered =
+        detail::gather_value(outputs, *output_device_, options.dim(), kApi, kOutputNames);
     if (buffers) {
       buffers->release();
     }

@@ -73,17 +73,19 @@ std::vector<at::Tensor> parallel_apply(
 /// devices[i], or to the device of the first tensor of inputs[i] without a device list.
 ///
 ///   auto parts = torchdp::scatter(std::make_tuple(x, y), devices);
-///   auto outputs = torchdp::parallel_apply(replicas, parts, devices);  // a vector of forward's type
+///   auto outputs = torchdp::parallel_apply(replicas, parts, devices);  // a vector of forward's
+///   type
 template <typename ModuleType, typename... Args>
-auto parallel_apply(std::vector<ModuleType>& modules, const std::vector<std::tuple<Args...>>& inputs,
+auto parallel_apply(std::vector<ModuleType>& modules,
+                    const std::vector<std::tuple<Args...>>& inputs,
                     const std::optional<std::vector<c10::Device>>& devices = std::nullopt) {
   using Output = std::decay_t<decltype(modules[0]->forward(std::declval<const Args&>()...))>;
   constexpr const char* api = "torchdp::parallel_apply";
   TORCH_CHECK(modules.size() == inputs.size(), api, ": got ", modules.size(), " modules but ",
               inputs.size(), " inputs; pass one input per module");
   if (devices) {
-    TORCH_CHECK(modules.size() == devices->size(), api, ": got ", modules.size(),
-                " modules but ", devices->size(), " devices; pass one device per module");
+    TORCH_CHECK(modules.size() == devices->size(), api, ": got ", modules.size(), " modules but ",
+                devices->size(), " devices; pass one device per module");
   }
   std::vector<c10::Device> where;
   where.reserve(inputs.size());

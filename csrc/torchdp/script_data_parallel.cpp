@@ -148,14 +148,14 @@ std::vector<c10::IValue> ScriptDataParallel::run(std::vector<c10::IValue> inputs
   const auto dim = options_.dim();
   if (device_ids_.size() == 1) {
     const auto d = device_ids_.front();
-    auto args = detail::to_device(c10::ivalue::Tuple::create(std::move(inputs)), d, kApi,
-                                  kArgumentNames);
-    auto keywords = kwargs.empty() ? kwargs
-                                   : keywords_of(detail::to_device(keywords_value(kwargs), d, kApi,
-                                                                   kKeywordNames));
+    auto args =
+        detail::to_device(c10::ivalue::Tuple::create(std::move(inputs)), d, kApi, kArgumentNames);
+    auto keywords =
+        kwargs.empty()
+            ? kwargs
+            : keywords_of(detail::to_device(keywords_value(kwargs), d, kApi, kKeywordNames));
     const auto& elements = args.toTupleRef().elements();
-    return {module_.forward(std::vector<c10::IValue>(elements.begin(), elements.end()),
-                            keywords)};
+    return {module_.forward(std::vector<c10::IValue>(elements.begin(), elements.end()), keywords)};
   }
   detail::check_forward_context(kApi);
   const auto args_value = c10::IValue(c10::ivalue::Tuple::create(std::move(inputs)));

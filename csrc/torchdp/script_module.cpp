@@ -58,7 +58,9 @@ size_t walk(const ObjectPtr& object, const std::string& path, Walk& w,
   w.positions.push_back(Position{object, path, {}, {}});
   const auto type = object->type();
   const size_t slots = object->slots().size();
+  // The type too: another object at a freed object's address must not get its replica.
   w.signature.push_back(reinterpret_cast<uintptr_t>(object.get()));
+  w.signature.push_back(reinterpret_cast<uintptr_t>(type.get()));
   w.signature.push_back(slots);
   std::vector<SlotKind> kinds(slots, SlotKind::Other);
   std::vector<size_t> index(slots, 0);
@@ -265,8 +267,8 @@ std::vector<c10::IValue> parallel_apply(std::vector<torch::jit::Module>& modules
   TORCH_CHECK(modules.size() == inputs.size(), api, ": got ", modules.size(), " modules but ",
               inputs.size(), " inputs; pass one input per module");
   if (devices) {
-    TORCH_CHECK(modules.size() == devices->size(), api, ": got ", modules.size(),
-                " modules but ", devices->size(), " devices; pass one device per module");
+    TORCH_CHECK(modules.size() == devices->size(), api, ": got ", modules.size(), " modules but ",
+                devices->size(), " devices; pass one device per module");
   }
   std::vector<c10::Device> where;
   where.reserve(inputs.size());
@@ -283,8 +285,8 @@ std::vector<c10::IValue> parallel_apply(std::vector<torch::jit::Module>& modules
   std::vector<c10::IValue> outputs(modules.size());
   const detail::ValueNames names{"the output", false};
   parallel_run(modules.size(), where, [&](size_t i) {
-    outputs[i] = detail::to_device(modules[i].forward(arguments_of(inputs[i])), where[i], api,
-                                   names);
+    outputs[i] =
+        detail::to_device(modules[i].forward(arguments_of(inputs[i])), where[i], api, names);
   });
   return outputs;
 }

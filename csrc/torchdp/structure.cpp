@@ -96,17 +96,19 @@ struct Scatterer {
       TORCH_CHECK(t.dim() > 0, api, ": ", name(),
                   " is a 0-dim tensor, which cannot be split along dim ", dim,
                   "; give it a batch dimension");
-      TORCH_CHECK_INDEX(dim >= -t.dim() && dim < t.dim(), api, ": dim ", dim, " is out of range for ",
-                        name(), " of shape ", t.sizes(), "; it must be in [", -t.dim(), ", ",
-                        t.dim() - 1, "], the dimension the batch is split along");
+      TORCH_CHECK_INDEX(dim >= -t.dim() && dim < t.dim(), api, ": dim ", dim,
+                        " is out of range for ", name(), " of shape ", t.sizes(),
+                        "; it must be in [", -t.dim(), ", ", t.dim() - 1,
+                        "], the dimension the batch is split along");
       auto chunks = autograd::scatter(t, devices, std::nullopt, dim);
       return std::vector<c10::IValue>(std::make_move_iterator(chunks.begin()),
                                       std::make_move_iterator(chunks.end()));
     }
     if (v.isTuple() || v.isList()) {
       const bool tuple = v.isTuple();
-      const auto elements = tuple ? c10::ArrayRef<c10::IValue>(v.toTupleRef().elements().asArrayRef())
-                                  : v.toListRef();
+      const auto elements = tuple
+                                ? c10::ArrayRef<c10::IValue>(v.toTupleRef().elements().asArrayRef())
+                                : v.toListRef();
       std::vector<std::vector<c10::IValue>> parts(elements.size());
       size_t count = n;
       for (const auto k : c10::irange(elements.size())) {
@@ -270,11 +272,11 @@ struct Gatherer {
       return joined;
     }
     for (const auto i : c10::irange(outs.size())) {
-      const bool same = outs[i].isSameIdentity(first) ||
-                        (outs[i].tagKind() == first.tagKind() &&
-                         (first.isInt() || first.isDouble() || first.isBool() ||
-                          first.isString() || first.isDevice()) &&
-                         outs[i] == first);
+      const bool same =
+          outs[i].isSameIdentity(first) || (outs[i].tagKind() == first.tagKind() &&
+                                            (first.isInt() || first.isDouble() || first.isBool() ||
+                                             first.isString() || first.isDevice()) &&
+                                            outs[i] == first);
       if (!same) {
         mismatch(outs, i);
       }
@@ -312,8 +314,9 @@ c10::IValue to_device(const c10::IValue& value, c10::Device device, const char* 
     }
     if (v.isTuple() || v.isList()) {
       const bool tuple = v.isTuple();
-      const auto elements = tuple ? c10::ArrayRef<c10::IValue>(v.toTupleRef().elements().asArrayRef())
-                                  : v.toListRef();
+      const auto elements = tuple
+                                ? c10::ArrayRef<c10::IValue>(v.toTupleRef().elements().asArrayRef())
+                                : v.toListRef();
       std::vector<c10::IValue> members;
       members.reserve(elements.size());
       bool changed = false;
@@ -353,9 +356,9 @@ c10::IValue to_device(const c10::IValue& value, c10::Device device, const char* 
   return move(value);
 }
 
-void for_each_tensor(const c10::IValue& value, const ValueNames& names,
-                     const std::function<void(const at::Tensor&,
-                                              const std::function<std::string()>&)>& fn) {
+void for_each_tensor(
+    const c10::IValue& value, const ValueNames& names,
+    const std::function<void(const at::Tensor&, const std::function<std::string()>&)>& fn) {
   std::vector<Segment> path;
   const std::function<std::string()> name = [&]() {
     return format_path(names, path);
@@ -398,8 +401,7 @@ std::vector<c10::IValue> scatter(const c10::IValue& input, const std::vector<c10
   return detail::scatter_value(input, devices, dim, "torchdp::scatter", detail::ValueNames{});
 }
 
-c10::IValue gather(const std::vector<c10::IValue>& outputs, c10::Device destination,
-                   int64_t dim) {
+c10::IValue gather(const std::vector<c10::IValue>& outputs, c10::Device destination, int64_t dim) {
   return detail::gather_value(outputs, destination, dim, "torchdp::gather",
                               detail::ValueNames{"the output", false});
 }

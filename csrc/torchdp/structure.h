@@ -139,9 +139,9 @@ c10::IValue to_device(const c10::IValue& value, c10::Device device, const char* 
 
 /// Calls `fn(tensor, name)` for every tensor inside `value`, in order; `name()` makes its
 /// name for a message.
-void for_each_tensor(const c10::IValue& value, const ValueNames& names,
-                     const std::function<void(const at::Tensor&,
-                                              const std::function<std::string()>&)>& fn);
+void for_each_tensor(
+    const c10::IValue& value, const ValueNames& names,
+    const std::function<void(const at::Tensor&, const std::function<std::string()>&)>& fn);
 
 /// The tensors inside `value`, in order.
 std::vector<at::Tensor> tensors_of(const c10::IValue& value);

@@ -128,8 +128,8 @@ TEST_CASE("DataParallel splits tensors inside arguments and copies the others",
   for (size_t n : {1, 2, 3}) {
     INFO(n << " devices");
     torchdp::DataParallel dp(module, on(cpu_devices(n)));
-    const auto out = dp->forward<std::vector<at::Tensor>>(x, extra, pair, 0.5,
-                                                          std::string("mul"), Scaling{1.5});
+    const auto out =
+        dp->forward<std::vector<at::Tensor>>(x, extra, pair, 0.5, std::string("mul"), Scaling{1.5});
     REQUIRE(out.size() == 2);
     CHECK(torch::allclose(out[0], expected[0], 1e-5, 1e-6));
     CHECK(torch::allclose(out[1], expected[1], 1e-5, 1e-6));
@@ -154,8 +154,8 @@ TEST_CASE("DataParallel gathers dicts and takes optional tensors",
   const auto with_mask = dp->forward<Out>(x, std::optional<at::Tensor>(mask));
   CHECK(torch::allclose(with_mask.at("y"), module->forward(x, mask).at("y"), 1e-5, 1e-6));
   const auto without = dp->forward<Out>(x, std::optional<at::Tensor>());
-  CHECK(torch::allclose(without.at("norm"), module->forward(x, std::nullopt).at("norm"), 1e-5,
-                        1e-6));
+  CHECK(
+      torch::allclose(without.at("norm"), module->forward(x, std::nullopt).at("norm"), 1e-5, 1e-6));
 }
 
 TEST_CASE("DataParallel's structured forward checks the types before running",

@@ -142,8 +142,7 @@ void check_training(const std::vector<torch::Device>& devices, c10::Device devic
 
 } // namespace
 
-TEST_CASE("ScriptDataParallel training equals serial training over 3 SGD steps",
-          "[cpu][script]") {
+TEST_CASE("ScriptDataParallel training equals serial training over 3 SGD steps", "[cpu][script]") {
   const auto devices = GENERATE(cpu_devices(2), cpu_devices(3));
   check_training(devices, torch::kCPU);
 }
@@ -223,9 +222,8 @@ TEST_CASE("Functional replicate, scatter, parallel_apply and gather over a scrip
   const auto batch = make_batch(6);
   const auto inputs = batch.inputs();
   auto replicas = torchdp::replicate(net, devices);
-  const auto parts =
-      torchdp::scatter(c10::IValue(c10::ivalue::Tuple::create(std::vector<c10::IValue>(inputs))),
-                       devices);
+  const auto parts = torchdp::scatter(
+      c10::IValue(c10::ivalue::Tuple::create(std::vector<c10::IValue>(inputs))), devices);
   REQUIRE(parts.size() == 2);
   auto outputs = torchdp::parallel_apply(replicas, parts, devices);
   const auto out = torchdp::gather(outputs, torch::kCPU);
@@ -292,14 +290,14 @@ TEST_CASE("ScriptDataParallel gathers on the CPU from one GPU listed twice", "[c
   torch::manual_seed(6);
   auto net = make_net();
   net.to(gpus[0]);
-  torchdp::ScriptDataParallel dp(
-      net, on({gpus[0], gpus[0]}).output_device(torch::Device(torch::kCPU)));
+  torchdp::ScriptDataParallel dp(net,
+                                 on({gpus[0], gpus[0]}).output_device(torch::Device(torch::kCPU)));
   const auto batch = make_batch(6, gpus[0]);
   const auto out = dp.forward(batch.inputs());
   const auto& e = out.toTupleRef().elements();
   CHECK(e[0].toTensor().device().is_cpu());
   CHECK(e[1].toGenericDict().at("h").toTensor().device().is_cpu());
   const auto expected = net.forward(batch.inputs());
-  CHECK(torch::allclose(e[0].toTensor(), expected.toTupleRef().elements()[0].toTensor().cpu(),
-                        1e-5, 1e-6));
+  CHECK(torch::allclose(e[0].toTensor(), expected.toTupleRef().elements()[0].toTensor().cpu(), 1e-5,
+                        1e-6));
 }

@@ -69,14 +69,14 @@ TEST_CASE("scatter gives as many replicas as the fewest chunks", "[cpu][structur
   const auto input = tuple_of({torch::randn({5, 2}), torch::randn({2, 2})});
   CHECK(torchdp::scatter(input, cpu_devices(4)).size() == 2);
   SECTION("a value without tensors goes to every device") {
-    const auto parts = torchdp::scatter(tuple_of({c10::IValue(int64_t{1}), c10::IValue("s")}),
-                                        cpu_devices(3));
+    const auto parts =
+        torchdp::scatter(tuple_of({c10::IValue(int64_t{1}), c10::IValue("s")}), cpu_devices(3));
     REQUIRE(parts.size() == 3);
     CHECK(parts[2].toTupleRef().elements()[0].toInt() == 1);
   }
   SECTION("an empty container goes to every replica (Python would give none)") {
-    const auto parts = torchdp::scatter(tuple_of({torch::randn({4}), tuple_of({})}),
-                                        cpu_devices(2));
+    const auto parts =
+        torchdp::scatter(tuple_of({torch::randn({4}), tuple_of({})}), cpu_devices(2));
     REQUIRE(parts.size() == 2);
     CHECK(parts[1].toTupleRef().elements()[1].toTupleRef().size() == 0);
   }
@@ -154,9 +154,9 @@ TEST_CASE("gather keeps None and equal values, refuses mismatches", "[cpu][struc
     }
   }
   SECTION("tensors that do not fit") {
-    TORCHDP_CHECK_THROWS_WITH(torchdp::gather({c10::IValue(a), c10::IValue(torch::randn({2, 5}))},
-                                              torch::kCPU),
-                              "torchdp::gather: cannot gather the output");
+    TORCHDP_CHECK_THROWS_WITH(
+        torchdp::gather({c10::IValue(a), c10::IValue(torch::randn({2, 5}))}, torch::kCPU),
+        "torchdp::gather: cannot gather the output");
   }
 }
 
