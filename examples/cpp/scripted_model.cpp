@@ -8,9 +8,10 @@
 //     auto module = torch::jit::load("model.pt");    // C++
 // This example builds such a model in C++ and saves it to a temporary file first.
 //
-// Usage: torchdp_example_scripted_model [--steps N]
-// Devices: every visible CUDA device, or two CPU replicas ({cpu, cpu}) without CUDA. Exit status:
-// 0 when the weights match, 1 when they do not.
+// Usage: torchdp_example_scripted_model [--steps N] [--devices cuda:0,cuda:0]
+// Devices: the list given (a device may repeat), else every visible CUDA device, or two CPU
+// replicas ({cpu, cpu}) without CUDA. Exit status: 0 when the weights match, 1 when they do
+// not, 2 on bad arguments.
 
 #include <torchdp/torchdp.h>
 
@@ -23,6 +24,7 @@
 #include <filesystem>
 #include <iostream>
 #include <map>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -69,16 +71,23 @@ at::Tensor loss_of(const c10::IValue& out, const at::Tensor& labels) {
 
 int main(int argc, char** argv) {
   int steps = 5;
+  std::vector<torch::Device> devices;
   for (int i = 1; i < argc; ++i) {
-    if (std::string(argv[i]) == "--steps" && i + 1 < argc) {
+    const std::string arg = argv[i];
+    if (arg == "--steps" && i + 1 < argc) {
       steps = std::atoi(argv[++i]);
+    } else if (arg == "--devices" && i + 1 < argc) {
+      std::stringstream list(argv[++i]);
+      for (std::string d; std::getline(list, d, ',');) {
+        devices.emplace_back(d);
+      }
     } else {
-      std::cerr << "usage: torchdp_example_scripted_model [--steps N]\n";
+      std::cerr << "usage: torchdp_example_scripted_model [--steps N] [--devices cuda:0,cuda:0]\n";
       return 2;
     }
   }
-  std::vector<torch::Device> devices;
-  for (int64_t i = 0; i < torchdp::cuda_device_count(); ++i) {
+  const bool listed = !devices.empty();
+  for (int64_t i = 0; !listed && i < torchdp::cuda_device_count(); ++i) {
     devices.emplace_back(torch::kCUDA, static_cast<c10::DeviceIndex>(i));
   }
   if (devices.empty()) {
