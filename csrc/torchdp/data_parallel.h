@@ -74,7 +74,11 @@ struct ForwardSignature {
 };
 
 template <typename F>
-struct ForwardTraits;
+struct ForwardTraits { // other forms (ref-qualified forwards): not checked
+  static ForwardSignature get() {
+    return {};
+  }
+};
 template <typename R, typename C, typename... A>
 struct ForwardTraits<R (C::*)(A...)> {
   static ForwardSignature get() {
