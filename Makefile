@@ -98,6 +98,8 @@ consumer: build
 	  -DCMAKE_PREFIX_PATH="$(CURDIR)/$(BUILD)/_install;$$prefix" $(CMAKE_ARGS) >/dev/null
 	cmake --build $(BUILD)/consumer
 	$(BUILD)/consumer/torchdp_consumer
+	$(BUILD)/consumer/torchdp_two_outputs
+	$(BUILD)/consumer/torchdp_scripted_model
 
 # Only the extension (and the core library it links), in place into python/torchdp.
 python: configure

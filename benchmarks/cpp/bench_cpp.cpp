@@ -15,7 +15,11 @@
 //                       device count): single's time / its time ("ideal_speedup_vs_single") is what
 //                       n devices would reach with perfect overlap and no communication
 // and the time of one differentiable replicate() call (torch::nn::parallel::replicate vs
-// torchdp::replicate). Results go to a JSON file in the format of benchmarks/common.py.
+// torchdp::replicate). cpp_script_mlp200 is cpp_mlp200's model, with the same weights, as a
+// TorchScript module (bench_script.cpp): modes single, torchdp (torchdp::ScriptDataParallel) and
+// torchdp_new_replicas (its replicas rebuilt at each step); LibTorch's data_parallel cannot
+// replicate a torch::jit::Module, so its speedup_vs_libtorch is against cpp_mlp200's libtorch_dp.
+// Results go to a JSON file in the format of benchmarks/common.py.
 //
 // Usage:
 //   torchdp_bench_cpp --out PATH [--smoke] [--steps N] [--warmup N] [--libtorch-steps N]
@@ -27,6 +31,8 @@
 // A configuration that fails is recorded with an "error" and the run continues. Exit status: 0 when
 // the results file was written (with --strict: only when no configuration failed), 1 otherwise,
 // 2 on bad arguments.
+
+#include "bench_script.h"
 
 #include <torchdp/config.h>
 #include <torchdp/torchdp.h>
@@ -350,7 +356,8 @@ struct Settings {
   }
 };
 
-const std::vector<std::string> kModels = {"cpp_mlp200", "cpp_convnet", "cpp_convnet_flat"};
+const std::vector<std::string> kModels = {"cpp_mlp200", "cpp_convnet", "cpp_convnet_flat",
+                                          "cpp_script_mlp200"};
 
 struct Bench {
   Settings settings;
@@ -622,6 +629,50 @@ struct Bench {
     report(ours, "replicate_ms_median", std::nullopt);
   }
 
+  /// The scripted model: training steps in each mode, then replicate() with and without the
+  /// kept replicas. `libtorch_ms`: the same model's LibTorch data_parallel step, when measured.
+  void bench_script(const std::string& name, const std::function<torch::jit::Module()>& make,
+                    const torch::Tensor& input, std::optional<double> libtorch_ms) {
+    const size_t n = devices.size();
+    std::optional<double> single_ms;
+    for (const std::string mode : {"single", "torchdp", "torchdp_new_replicas"}) {
+      const bool one = mode == "single";
+      const auto on = one ? std::vector<torch::Device>{devices.front()} : devices;
+      auto& r =
+          run(base("cpp_train_step", name, mode, one ? 1 : n), "step_ms_median", [&](Record& r) {
+            auto module = make();
+            auto step = torchdp_bench::script_train_step(module, input, on, mode);
+            const auto loss = step(); // the first step: loss and gradient norm
+            r.num("loss_first", loss.item<double>())
+                .num("grad_norm_first", torchdp_bench::script_grad_norm(module));
+            synchronize(devices);
+            reset_peak_memory(on);
+            summarize(r,
+                      time_steps(
+                          [&]() {
+                            step();
+                          },
+                          on, std::max(0, settings.warmup - 1), settings.steps),
+                      "step_ms");
+            r.set("peak_mem_gib", json_list(peak_memory_gib(on)));
+          });
+      if (one) {
+        single_ms = median_of(r, "step_ms_median");
+      } else {
+        speedup(r, "step_ms_median", "speedup_vs_libtorch", libtorch_ms);
+      }
+      report(r, "step_ms_median", single_ms);
+    }
+    for (const bool cached : {true, false}) {
+      const auto mode = cached ? "torchdp_replicate" : "torchdp_new_replicas";
+      auto& r = run(base("cpp_replicate", name, mode, n), "replicate_ms_median", [&](Record& r) {
+        const auto call = torchdp_bench::script_replicate(make(), devices, cached);
+        summarize(r, time_steps(call, devices, settings.warmup, settings.steps), "replicate_ms");
+      });
+      report(r, "replicate_ms_median", std::nullopt);
+    }
+  }
+
   void speedup(Record& r, const std::string& time_key, const std::string& key,
                std::optional<double> reference_ms) {
     const auto ms = median_of(r, time_key);
@@ -721,8 +772,8 @@ void usage(std::ostream& o) {
        "  --steps N           timed steps per configuration (default 10; smoke 2)\n"
        "  --warmup N          warm-up steps (default 2; smoke 1)\n"
        "  --libtorch-steps N  timed steps of LibTorch's data_parallel/replicate (default 5)\n"
-       "  --models LIST       comma list of cpp_mlp200, cpp_convnet, cpp_convnet_flat (default: "
-       "all)\n"
+       "  --models LIST       comma list of cpp_mlp200, cpp_convnet, cpp_convnet_flat,\n"
+       "                      cpp_script_mlp200 (default: all)\n"
        "  --device-ids LIST   CUDA indices of the replicas, e.g. 0,0 for two replicas on one GPU\n"
        "                      (default: every visible GPU)\n"
        "  --strict            exit 1 when a configuration failed (default: record it, exit 0)\n";
@@ -790,7 +841,8 @@ int main(int argc, char** argv) {
       for (const auto& m : split_commas(list)) {
         if (std::find(kModels.begin(), kModels.end(), m) == kModels.end()) {
           std::cerr << "torchdp_bench_cpp: --models: unknown model '" << m << "' in '" << list
-                    << "'; expected a comma list of cpp_mlp200, cpp_convnet, cpp_convnet_flat\n";
+                    << "'; expected a comma list of cpp_mlp200, cpp_convnet, cpp_convnet_flat, "
+                       "cpp_script_mlp200\n";
           return 2;
         }
         s.models.push_back(m);
@@ -886,6 +938,10 @@ int main(int argc, char** argv) {
                           " (M: MaxPool2d(2)), global average pool, Linear" + conv_shape},
       {"cpp_convnet_flat", "Conv2d(3x3)+BatchNorm2d+ReLU blocks, plan " + plan_text(flat_plan) +
                                ", global average pool, Linear" + conv_shape},
+      {"cpp_script_mlp200",
+       "cpp_mlp200's model and weights as a TorchScript module: " + std::to_string(mlp_layers) +
+           " x (Linear(" + std::to_string(mlp_width) + ", " + std::to_string(mlp_width) +
+           "), ReLU), batch " + std::to_string(mlp_batch)},
   };
 
   torch::manual_seed(0);
@@ -915,6 +971,22 @@ int main(int argc, char** argv) {
             },
             conv_input);
       }
+    }
+    if (s.wants("cpp_script_mlp200")) {
+      std::optional<double> libtorch_ms;
+      for (const auto& r : bench.records) {
+        if (Bench::field(r, "model") == "cpp_mlp200" && Bench::field(r, "mode") == "libtorch_dp" &&
+            Bench::field(r, "bench") == "cpp_train_step") {
+          libtorch_ms = Bench::median_of(r, "step_ms_median");
+        }
+      }
+      bench.bench_script(
+          "cpp_script_mlp200",
+          [&]() {
+            torch::manual_seed(1); // cpp_mlp200's weights
+            return torchdp_bench::script_mlp(Mlp(mlp_layers, mlp_width)->parameters());
+          },
+          mlp_input, libtorch_ms);
     }
   } catch (const std::exception& e) {
     // Not expected (every configuration catches its own failures); keep what was measured.

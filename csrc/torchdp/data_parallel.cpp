@@ -184,6 +184,16 @@ std::vector<at::Tensor> DataParallelImpl::run(std::vector<at::Tensor> inputs, co
   for (const auto i : c10::irange(inputs.size())) {
     TORCH_CHECK(inputs[i].defined(), kApi, ": forward argument ", i, " is an undefined tensor");
   }
+  std::vector<at::Tensor> outputs;
+  run_step([&](const std::vector<at::Tensor>& originals) {
+    outputs = run_here(std::move(inputs), call, originals, buffers);
+    return outputs;
+  });
+  return outputs;
+}
+
+void DataParallelImpl::run_step(
+    const std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)>& here) {
   check_fixed_options();
 #if TORCHDP_WITH_C10D
   const auto& group = options.process_group();
@@ -195,7 +205,8 @@ std::vector<at::Tensor> DataParallelImpl::run(std::vector<at::Tensor> inputs, co
 #if TORCHDP_WITH_C10D
   if (!group) {
     sync_.reset();
-    return run_here(std::move(inputs), call, originals, buffers);
+    here(originals);
+    return;
   }
   if (!sync_ || sync_->group() != group) {
     sync_ = std::make_shared<detail::ProcessGroupSync>(group, kApi);
@@ -207,13 +218,12 @@ std::vector<at::Tensor> DataParallelImpl::run(std::vector<at::Tensor> inputs, co
                                   ? autograd::bucket_bytes_from_mib(*options.bucket_cap_mb(), kApi)
                                   : autograd::kDefaultGradBucketSize;
   sync_->before_forward(*module_, grad_sync && options.broadcast_buffers());
-  auto outputs = run_here(std::move(inputs), call, originals, buffers);
+  const auto outputs = here(originals);
   if (grad_sync) {
     sync_->watch(outputs, bucket_bytes);
   }
-  return outputs;
 #else
-  return run_here(std::move(inputs), call, originals, buffers);
+  here(originals);
 #endif
 }
 
@@ -271,6 +281,20 @@ std::vector<at::Tensor> DataParallelImpl::run_here(std::vector<at::Tensor> input
       return outputs;
     }
   }
+  std::vector<at::Tensor> outputs(n);
+  apply_replicas(
+      used,
+      [&](size_t i, torch::nn::AnyModule& replica) {
+        outputs[i] = call(replica, per_replica[i]);
+      },
+      originals, buffers);
+  return outputs;
+}
+
+void DataParallelImpl::apply_replicas(const std::vector<c10::Device>& used,
+                                      const std::function<void(size_t, torch::nn::AnyModule&)>& fn,
+                                      const std::vector<at::Tensor>& originals,
+                                      std::shared_ptr<BufferSnapshot>* buffers) {
   std::optional<autograd::GradBucketSizeGuard> bucket_size;
   if (options.bucket_cap_mb()) {
     bucket_size.emplace(autograd::bucket_bytes_from_mib(*options.bucket_cap_mb(), kApi));
@@ -284,13 +308,12 @@ std::vector<at::Tensor> DataParallelImpl::run_here(std::vector<at::Tensor> input
   if (buffers != nullptr) {
     *buffers = snapshot;
   }
-  std::vector<at::Tensor> outputs(n);
   try {
     auto replicas = replicator_->replicate(used, /*detach=*/!c10::GradMode::is_enabled());
     const detail::EnclosingForwardGuard enclosing(snapshot->take_id()); // Note [Nested forwards]
-    parallel_run(n, used, [&](size_t i) {
+    parallel_run(used.size(), used, [&](size_t i) {
       auto replica = wrap_(replicas[i]);
-      outputs[i] = call(replica, per_replica[i]);
+      fn(i, replica);
     });
   } catch (...) {
     snapshot->restore();
@@ -300,7 +323,6 @@ std::vector<at::Tensor> DataParallelImpl::run_here(std::vector<at::Tensor> input
   if (buffers == nullptr) {
     snapshot->release(); // no gather follows: the forward is over
   }
-  return outputs;
 }
 
 std::vector<at::Tensor> DataParallelImpl::run_graphed(

@@ -7,6 +7,7 @@
 #include <torchdp/parallel_apply.h>
 #include <torchdp/process_group.h>
 #include <torchdp/replicate.h>
+#include <torchdp/structure.h>
 
 #include <c10/core/Device.h>
 #include <torch/arg.h>
@@ -18,7 +19,9 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <type_traits>
+#include <typeinfo>
 #include <utility>
 #include <vector>
 
@@ -62,6 +65,83 @@ template <typename Impl, typename = void>
 struct HasConcreteForward : std::false_type {};
 template <typename Impl>
 struct HasConcreteForward<Impl, std::void_t<decltype(&Impl::forward)>> : std::true_type {};
+
+/// The decayed return and parameter types of a module's forward, for DataParallel's checks of a
+/// call (AnyModule compares the same decayed types when it runs the call).
+struct ForwardSignature {
+  const std::type_info* output = nullptr; // null: not known
+  std::vector<const std::type_info*> arguments;
+};
+
+template <typename F>
+struct ForwardTraits { // other forms (ref-qualified forwards): not checked
+  static ForwardSignature get() {
+    return {};
+  }
+};
+template <typename R, typename C, typename... A>
+struct ForwardTraits<R (C::*)(A...)> {
+  static ForwardSignature get() {
+    return {&typeid(std::decay_t<R>), {&typeid(std::decay_t<A>)...}};
+  }
+};
+template <typename R, typename C, typename... A>
+struct ForwardTraits<R (C::*)(A...) const> : ForwardTraits<R (C::*)(A...)> {};
+template <typename R, typename C, typename... A>
+struct ForwardTraits<R (C::*)(A...) noexcept> : ForwardTraits<R (C::*)(A...)> {};
+template <typename R, typename C, typename... A>
+struct ForwardTraits<R (C::*)(A...) const noexcept> : ForwardTraits<R (C::*)(A...)> {};
+
+// Note [Arguments of the structured forward]
+// DataParallel::forward splits the tensors inside each argument whose type is a structure with a
+// tensor in it (detail::kScattered: at::Tensor, std::vector, std::tuple, c10::List, c10::Dict,
+// std::optional of those): they travel as one c10::IValue tuple through the structure engine and
+// are converted back for each replica. Every other argument is copied to each replica as it is
+// (AnyModule keeps its own copy); its slot in the tuple holds None.
+template <typename Arg>
+c10::IValue pack_argument(const Arg& arg) {
+  if constexpr (kScattered<Arg>) {
+    return c10::IValue(arg);
+  } else {
+    return c10::IValue();
+  }
+}
+
+template <typename... Args>
+c10::IValue pack_arguments(const Args&... args) {
+  return c10::ivalue::Tuple::create(std::vector<c10::IValue>{pack_argument(args)...});
+}
+
+template <typename Arg>
+decltype(auto) argument_of(const c10::IValue& part, const Arg& original) {
+  if constexpr (kScattered<Arg>) {
+    return part.to<Arg>();
+  } else {
+    return original; // a const reference: AnyModule copies it for the replica
+  }
+}
+
+template <typename Arg>
+constexpr void check_argument_type() {
+  static_assert(IsStructure<Arg>::value || !MentionsTensor<Arg>::value,
+                "torchdp::DataParallel::forward: an argument holds tensors in a type that "
+                "torchdp cannot split; use at::Tensor, std::vector, std::tuple, c10::List, "
+                "c10::Dict (string or int keys) or std::optional of tensors, numbers and strings "
+                "(std::array, std::pair, std::map, std::list and c10::ArrayRef are not)");
+  static_assert(std::is_copy_constructible_v<Arg>,
+                "torchdp::DataParallel::forward: an argument that is not split is copied to every "
+                "replica, so its type must be copyable; pass a std::shared_ptr to share one "
+                "object");
+}
+
+template <typename Output>
+constexpr void check_output_type() {
+  static_assert(IsStructure<Output>::value && !std::is_same_v<Output, c10::IValue>,
+                "torchdp::DataParallel::forward<Output>: Output must be the module's forward's "
+                "return type, and one that gather can join: at::Tensor, std::vector, std::tuple, "
+                "c10::List, c10::Dict or std::optional of tensors (numbers and strings may sit "
+                "beside them)");
+}
 
 // Note [Modules with a templated forward]
 // An AnyModule needs one concrete forward, which torch::nn::Sequential lacks: such a module is
@@ -133,6 +213,11 @@ class DataParallelImpl : public torch::nn::Module {
       : options(std::move(options)) {
     using Impl = typename std::decay_t<decltype(*module)>;
     std::shared_ptr<Impl> ptr = as_shared(module);
+    if constexpr (detail::HasConcreteForward<Impl>::value) {
+      signature_ = detail::ForwardTraits<decltype(&Impl::forward)>::get();
+    } else {
+      signature_ = detail::ForwardSignature{&typeid(at::Tensor), {&typeid(at::Tensor)}};
+    }
     init(ptr, [](const std::shared_ptr<torch::nn::Module>& m) {
       if constexpr (detail::HasConcreteForward<Impl>::value) {
         return torch::nn::AnyModule(std::static_pointer_cast<Impl>(m));
@@ -143,27 +228,61 @@ class DataParallelImpl : public torch::nn::Module {
     });
   }
 
-  /// Runs the data-parallel forward over one or more tensor arguments; returns the gathered output.
-  template <typename... Tensors>
-  at::Tensor forward(const Tensors&... inputs) {
-    static_assert(sizeof...(Tensors) > 0,
-                  "torchdp::DataParallel::forward needs at least one tensor");
-    static_assert((std::is_convertible_v<Tensors, at::Tensor> && ...),
-                  "torchdp::DataParallel::forward takes tensor arguments only");
-    std::shared_ptr<BufferSnapshot> buffers; // Note [Buffers of failed forwards]
-    auto outputs = run({at::Tensor(inputs)...}, make_call<Tensors...>(), &buffers);
-    return join(std::move(outputs), buffers);
+  /// Runs the data-parallel forward; returns the gathered output, of type `Output`: the module's
+  /// forward's return type (at::Tensor, or std::tuple / std::vector / c10::Dict of tensors...).
+  /// Tensors are split along dim, also inside std::vector, std::tuple, c10::List, c10::Dict and
+  /// std::optional arguments; any other argument (a number, a string, an options struct) is
+  /// copied to every replica (Note [Arguments of the structured forward]).
+  ///
+  ///   auto out = dp->forward(x, y);                                  // returns a Tensor
+  ///   auto [logits, aux] = dp->forward<std::tuple<at::Tensor, at::Tensor>>(x, 0.5);
+  template <typename Output = at::Tensor, typename... Args>
+  Output forward(const Args&... inputs) {
+    static_assert(sizeof...(Args) > 0,
+                  "torchdp::DataParallel::forward needs at least one argument");
+    if constexpr (std::is_same_v<Output, at::Tensor> &&
+                  (std::is_convertible_v<Args, at::Tensor> && ...)) {
+      check_call(typeid(Output),
+                 std::vector<const std::type_info*>(sizeof...(Args), &typeid(at::Tensor)));
+      std::shared_ptr<BufferSnapshot> buffers; // Note [Buffers of failed forwards]
+      auto outputs = run({at::Tensor(inputs)...}, make_call<Args...>(), &buffers);
+      return join(std::move(outputs), buffers);
+    } else {
+      detail::check_output_type<Output>();
+      (detail::check_argument_type<Args>(), ...);
+      check_call(typeid(Output), {&typeid(Args)...});
+      std::shared_ptr<BufferSnapshot> buffers;
+      auto outputs = run_structured(detail::pack_arguments(inputs...),
+                                    make_structured_call<Output>(inputs...), &buffers);
+      return join_structured(std::move(outputs), buffers).template to<Output>();
+    }
   }
 
   /// The forward without the gather: one output per replica, on its device; pair it with
   /// torchdp::parallel_loss so that output_device never holds the whole batch's outputs.
-  template <typename... Tensors>
-  std::vector<at::Tensor> forward_replicas(const Tensors&... inputs) {
-    static_assert(sizeof...(Tensors) > 0,
-                  "torchdp::DataParallel::forward_replicas needs at least one tensor");
-    static_assert((std::is_convertible_v<Tensors, at::Tensor> && ...),
-                  "torchdp::DataParallel::forward_replicas takes tensor arguments only");
-    return run({at::Tensor(inputs)...}, make_call<Tensors...>());
+  /// Arguments and `Output` as forward()'s.
+  template <typename Output = at::Tensor, typename... Args>
+  std::vector<Output> forward_replicas(const Args&... inputs) {
+    static_assert(sizeof...(Args) > 0,
+                  "torchdp::DataParallel::forward_replicas needs at least one argument");
+    if constexpr (std::is_same_v<Output, at::Tensor> &&
+                  (std::is_convertible_v<Args, at::Tensor> && ...)) {
+      check_call(typeid(Output),
+                 std::vector<const std::type_info*>(sizeof...(Args), &typeid(at::Tensor)));
+      return run({at::Tensor(inputs)...}, make_call<Args...>());
+    } else {
+      detail::check_output_type<Output>();
+      (detail::check_argument_type<Args>(), ...);
+      check_call(typeid(Output), {&typeid(Args)...});
+      auto outputs = run_structured(detail::pack_arguments(inputs...),
+                                    make_structured_call<Output>(inputs...));
+      std::vector<Output> typed;
+      typed.reserve(outputs.size());
+      for (auto& o : outputs) {
+        typed.push_back(std::move(o).template to<Output>());
+      }
+      return typed;
+    }
   }
 
   /// The devices in use (empty when DataParallel passes through to the module).
@@ -230,6 +349,40 @@ class DataParallelImpl : public torch::nn::Module {
     };
   }
 
+  // One replica's call of the structured forward (Note [Arguments of the structured forward]):
+  // its part of the packed arguments in, its output as a c10::IValue out.
+  using StructuredCall =
+      std::function<c10::IValue(torch::nn::AnyModule&, const c10::IValue& arguments)>;
+
+  template <typename Output, typename... Args, size_t... I>
+  static c10::IValue call_structured(torch::nn::AnyModule& m, const c10::IValue& packed,
+                                     const std::tuple<const Args&...>& originals,
+                                     std::index_sequence<I...>) {
+    const auto& parts = packed.toTupleRef().elements();
+    return c10::IValue(
+        m.forward<Output>(detail::argument_of<Args>(parts[I], std::get<I>(originals))...));
+  }
+  template <typename Output, typename... Args>
+  static StructuredCall make_structured_call(const Args&... inputs) {
+    // References: the call runs within forward(), while the arguments live.
+    return [originals = std::tuple<const Args&...>(inputs...)](torch::nn::AnyModule& m,
+                                                               const c10::IValue& packed) {
+      return call_structured<Output, Args...>(m, packed, originals,
+                                              std::index_sequence_for<Args...>{});
+    };
+  }
+
+  // Fails, before anything runs, when the module's forward does not take `arguments` (decayed
+  // types) or does not return `output`.
+  void check_call(const std::type_info& output,
+                  const std::vector<const std::type_info*>& arguments) const;
+  // run() for the structured forward: `inputs` is the packed argument tuple.
+  std::vector<c10::IValue> run_structured(c10::IValue inputs, const StructuredCall& call,
+                                          std::shared_ptr<BufferSnapshot>* buffers = nullptr);
+  // Gathers run_structured()'s outputs; a failed gather writes the buffer copy back.
+  c10::IValue join_structured(std::vector<c10::IValue> outputs,
+                              const std::shared_ptr<BufferSnapshot>& buffers) const;
+
   void init(std::shared_ptr<torch::nn::Module> module, Wrap wrap);
   // Fails when an option read at construction was changed since (see DataParallelOptions).
   void check_fixed_options() const;
@@ -239,6 +392,15 @@ class DataParallelImpl : public torch::nn::Module {
   // `buffers` when given.
   std::vector<at::Tensor> run(std::vector<at::Tensor> inputs, const Call& call,
                               std::shared_ptr<BufferSnapshot>* buffers = nullptr);
+  // run()'s checks, placement and process group around `here`, which runs the forward given the
+  // module's buffers and returns the output tensors the process group watches.
+  void run_step(const std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)>& here);
+  // The replicas' part of a forward over `used`: replicate, then fn(i, replica i) on each device,
+  // with Note [Buffers of failed forwards] (the copy of `originals` goes to `buffers` if given).
+  void apply_replicas(const std::vector<c10::Device>& used,
+                      const std::function<void(size_t, torch::nn::AnyModule&)>& fn,
+                      const std::vector<at::Tensor>& originals,
+                      std::shared_ptr<BufferSnapshot>* buffers);
   // run() without the process group's part; `originals`: ensure_placement()'s buffers.
   std::vector<at::Tensor> run_here(std::vector<at::Tensor> inputs, const Call& call,
                                    const std::vector<at::Tensor>& originals,
@@ -251,6 +413,7 @@ class DataParallelImpl : public torch::nn::Module {
                   const std::shared_ptr<BufferSnapshot>& buffers) const;
 
   std::shared_ptr<torch::nn::Module> module_;
+  detail::ForwardSignature signature_;
   torch::nn::AnyModule any_;
   Wrap wrap_;
   std::unique_ptr<Replicator> replicator_;

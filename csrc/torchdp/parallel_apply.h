@@ -1,5 +1,7 @@
 #pragma once
 
+#include <torchdp/structure.h>
+
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 #include <c10/util/Exception.h>
@@ -7,6 +9,9 @@
 #include <exception>
 #include <functional>
 #include <optional>
+#include <tuple>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace torchdp {
@@ -59,6 +64,67 @@ std::vector<at::Tensor> parallel_apply(
   parallel_run(modules.size(), where, [&](size_t i) {
     outputs[i] = modules[i]->forward(inputs[i]).to(where[i]);
   });
+  return outputs;
+}
+
+/// Several arguments per module: runs `std::apply(modules[i]->forward, inputs[i])` via
+/// parallel_run, as scatter() of a tuple gives them. Outputs whose type the structure engine knows
+/// (tensors, and std::vector, std::tuple, c10::Dict... of tensors) have their tensors moved to
+/// devices[i], or to the device of the first tensor of inputs[i] without a device list.
+///
+///   auto parts = torchdp::scatter(std::make_tuple(x, y), devices);
+///   auto outputs = torchdp::parallel_apply(replicas, parts, devices);  // a vector of forward's
+///   type
+template <typename ModuleType, typename... Args>
+auto parallel_apply(std::vector<ModuleType>& modules,
+                    const std::vector<std::tuple<Args...>>& inputs,
+                    const std::optional<std::vector<c10::Device>>& devices = std::nullopt) {
+  using Output = std::decay_t<decltype(modules[0]->forward(std::declval<const Args&>()...))>;
+  constexpr const char* api = "torchdp::parallel_apply";
+  TORCH_CHECK(modules.size() == inputs.size(), api, ": got ", modules.size(), " modules but ",
+              inputs.size(), " inputs; pass one input per module");
+  if (devices) {
+    TORCH_CHECK(modules.size() == devices->size(), api, ": got ", modules.size(), " modules but ",
+                devices->size(), " devices; pass one device per module");
+  }
+  std::vector<c10::Device> where;
+  where.reserve(inputs.size());
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    if (devices) {
+      where.push_back((*devices)[i]);
+      continue;
+    }
+    std::optional<c10::Device> found;
+    if constexpr (detail::IsStructure<std::tuple<Args...>>::value) {
+      const auto tensors = detail::tensors_of(c10::IValue(inputs[i]));
+      if (!tensors.empty()) {
+        found = tensors.front().device();
+      }
+    }
+    TORCH_CHECK(found.has_value(), api, ": input ", i,
+                " holds no tensor to take the replica's device from; pass the devices");
+    where.push_back(*found);
+  }
+  std::vector<std::optional<Output>> results(modules.size());
+  parallel_run(modules.size(), where, [&](size_t i) {
+    auto out = std::apply(
+        [&](const Args&... a) {
+          return modules[i]->forward(a...);
+        },
+        inputs[i]);
+    if constexpr (detail::IsStructure<Output>::value) {
+      results[i] = detail::to_device(c10::IValue(std::move(out)), where[i], api,
+                                     detail::ValueNames{"the output", false})
+                       .template to<Output>();
+    } else {
+      results[i] = std::move(out);
+    }
+  });
+  std::vector<Output> outputs;
+  outputs.reserve(results.size());
+  for (auto& r : results) {
+    outputs.push_back(std::move(*r));
+  }
   return outputs;
 }
 

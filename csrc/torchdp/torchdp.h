@@ -9,3 +9,5 @@
 #include <torchdp/hooks.h>
 #include <torchdp/parallel_apply.h>
 #include <torchdp/replicate.h>
+#include <torchdp/script_module.h>
+#include <torchdp/structure.h>

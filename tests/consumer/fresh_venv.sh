@@ -51,4 +51,6 @@ cmake -S "$root/tests/consumer" -B consumer -G "$gen" -DCMAKE_PREFIX_PATH="$pref
 cmake --build consumer >/dev/null
 ./consumer/torchdp_consumer
 ./consumer/torchdp_readme_app >/dev/null
+./consumer/torchdp_two_outputs >/dev/null
+./consumer/torchdp_scripted_model >/dev/null
 echo "== the C++ apps built against the pip-installed package ran"

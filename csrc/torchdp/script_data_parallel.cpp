@@ -1,0 +1,239 @@
+// torchdp::ScriptDataParallel: DataParallel's forward for scripted modules, over the structure
+// engine (Note [Nested scatter and gather]) and the ScriptReplicator.
+#include <torchdp/autograd.h>
+#include <torchdp/devices.h>
+#include <torchdp/parallel_apply.h>
+#include <torchdp/script_module.h>
+#include <torchdp/structure.h>
+
+#include <c10/core/GradMode.h>
+#include <c10/util/Exception.h>
+#include <c10/util/irange.h>
+
+#include <algorithm>
+#include <unordered_set>
+
+namespace torchdp {
+namespace {
+
+constexpr const char* kApi = "torchdp::ScriptDataParallel";
+
+const detail::ValueNames kArgumentNames{"forward argument", true};
+const detail::ValueNames kKeywordNames{"keyword argument", true};
+const detail::ValueNames kOutputNames{"the output", false};
+
+c10::IValue keywords_value(const torch::jit::Kwargs& kwargs) {
+  c10::impl::GenericDict dict(c10::StringType::get(), c10::AnyType::get());
+  for (const auto& [key, value] : kwargs) {
+    dict.insert(key, value);
+  }
+  return dict;
+}
+
+torch::jit::Kwargs keywords_of(const c10::IValue& value) {
+  torch::jit::Kwargs kwargs;
+  for (const auto& entry : value.toGenericDict()) {
+    kwargs.emplace(entry.key().toStringRef(), entry.value());
+  }
+  return kwargs;
+}
+
+std::vector<at::Tensor> distinct_tensors(std::vector<at::Tensor> all) {
+  std::unordered_set<const c10::TensorImpl*> seen;
+  std::vector<at::Tensor> out;
+  for (auto& t : all) {
+    if (t.defined() && seen.insert(t.unsafeGetTensorImpl()).second) {
+      out.push_back(std::move(t));
+    }
+  }
+  return out;
+}
+
+} // namespace
+
+ScriptDataParallel::ScriptDataParallel(torch::jit::Module module, DataParallelOptions options)
+    : module_(std::move(module)), options_(std::move(options)) {
+  TORCH_CHECK(module_._ivalue() != nullptr, kApi, ": the module is empty");
+  TORCH_CHECK(module_.find_method("forward").has_value(), kApi,
+              ": the scripted module has no forward method; script a module that defines "
+              "forward, or call its method through torchdp::parallel_apply");
+  TORCH_CHECK_VALUE(!options_.cuda_graphs(), kApi,
+                    ": cuda_graphs is not supported for scripted modules; turn it off");
+#if TORCHDP_WITH_C10D
+  TORCH_CHECK_VALUE(!options_.process_group(), kApi,
+                    ": process_group is not supported for scripted modules; wrap the module in "
+                    "torch::nn::Module code and use torchdp::DataParallel, or reduce the "
+                    "gradients yourself after the backward pass");
+#endif
+  replicator_ = std::make_unique<ScriptReplicator>(module_);
+  if (options_.device_ids()) {
+    TORCH_CHECK(!options_.device_ids()->empty(), kApi,
+                ": device_ids is an empty list; pass the devices to use, or leave device_ids unset "
+                "to use every visible CUDA device");
+    device_ids_ = normalize_devices(*options_.device_ids(), kApi);
+  } else if (cuda_device_count() > 0) {
+    device_ids_ = default_devices(kApi);
+  }
+  if (options_.bucket_cap_mb()) {
+    autograd::bucket_bytes_from_mib(*options_.bucket_cap_mb(), kApi);
+  }
+  if (options_.output_device()) {
+    TORCH_CHECK(!device_ids_.empty(), kApi, ": output_device ", *options_.output_device(),
+                " was given but no device is in use (no CUDA device is visible and device_ids is "
+                "unset); pass device_ids too");
+    output_device_ = normalize_device(*options_.output_device(), kApi);
+    check_output_device(device_ids_, *output_device_, kApi);
+  } else if (!device_ids_.empty()) {
+    output_device_ = device_ids_.front();
+  }
+}
+
+std::vector<at::Tensor> ScriptDataParallel::parameters() const {
+  std::vector<at::Tensor> all;
+  for (const auto& p : module_.parameters()) {
+    all.push_back(p);
+  }
+  return distinct_tensors(std::move(all));
+}
+
+void ScriptDataParallel::ensure_placement() {
+  const auto target = device_ids_.front();
+  const auto off = [&target](const at::Tensor& t) {
+    return t.defined() && detail::canonical(t.device()) != target;
+  };
+  bool misplaced = false;
+  for (const auto& p : module_.parameters()) {
+    misplaced = misplaced || off(p);
+  }
+  for (const auto& b : module_.buffers()) {
+    misplaced = misplaced || off(b);
+  }
+  if (!misplaced) {
+    return;
+  }
+  if (options_.place_module()) {
+    module_.to(target);
+    return;
+  }
+  for (const auto& kind : {"parameter", "buffer"}) {
+    const bool param = std::string(kind) == "parameter";
+    const auto check = [&](const std::string& name, const at::Tensor& t) {
+      TORCH_CHECK(!off(t), kApi, ": ",
+                  detail::misplaced_module_message(
+                      target, kind, name, t.device(),
+                      c10::str("Move the module there before the forward, e.g. module.to(",
+                               "torch::Device(\"", target,
+                               "\")), or pass DataParallelOptions().place_module(true) to let "
+                               "ScriptDataParallel move it")));
+    };
+    if (param) {
+      for (const auto& p : module_.named_parameters()) {
+        check(p.name, p.value);
+      }
+    } else {
+      for (const auto& b : module_.named_buffers()) {
+        check(b.name, b.value);
+      }
+    }
+  }
+}
+
+std::vector<c10::IValue> ScriptDataParallel::run(std::vector<c10::IValue> inputs,
+                                                 const torch::jit::Kwargs& kwargs,
+                                                 std::shared_ptr<BufferSnapshot>* buffers) {
+  if (device_ids_.empty()) {
+    return {module_.forward(std::move(inputs), kwargs)};
+  }
+  ensure_placement();
+  const auto dim = options_.dim();
+  if (device_ids_.size() == 1) {
+    const auto d = device_ids_.front();
+    auto args =
+        detail::to_device(c10::ivalue::Tuple::create(std::move(inputs)), d, kApi, kArgumentNames);
+    auto keywords =
+        kwargs.empty()
+            ? kwargs
+            : keywords_of(detail::to_device(keywords_value(kwargs), d, kApi, kKeywordNames));
+    const auto& elements = args.toTupleRef().elements();
+    return {module_.forward(std::vector<c10::IValue>(elements.begin(), elements.end()), keywords)};
+  }
+  detail::check_forward_context(kApi);
+  const auto args_value = c10::IValue(c10::ivalue::Tuple::create(std::move(inputs)));
+  const auto keywords = keywords_value(kwargs);
+  auto args = detail::scatter_value(args_value, device_ids_, dim, kApi, kArgumentNames);
+  auto keyword_parts = detail::scatter_value(keywords, device_ids_, dim, kApi, kKeywordNames);
+  const size_t n = std::min(args.size(), keyword_parts.size());
+  if (n < device_ids_.size()) { // a small batch, or a short tensor that would drop rows
+    std::vector<std::pair<std::string, int64_t>> sizes;
+    const auto add = [&sizes, dim](const at::Tensor& t, const std::function<std::string()>& name) {
+      sizes.emplace_back(name(), t.size(dim));
+    };
+    detail::for_each_tensor(args_value, kArgumentNames, add);
+    detail::for_each_tensor(keywords, kKeywordNames, add);
+    detail::check_chunks(sizes, n, device_ids_.size(), dim, kApi);
+  }
+  const std::vector<c10::Device> used(device_ids_.begin(), device_ids_.begin() + n);
+  std::optional<autograd::GradBucketSizeGuard> bucket_size;
+  if (options_.bucket_cap_mb()) {
+    bucket_size.emplace(autograd::bucket_bytes_from_mib(*options_.bucket_cap_mb(), kApi));
+  }
+  // Note [Buffers of failed forwards]: every tensor attribute that is not a parameter.
+  std::vector<at::Tensor> originals;
+  for (const auto& b : module_.buffers()) {
+    originals.push_back(b);
+  }
+  if (!buffer_snapshot_ || buffer_snapshot_.use_count() > 1) {
+    buffer_snapshot_ = std::make_shared<BufferSnapshot>();
+  }
+  buffer_snapshot_->take(distinct_tensors(std::move(originals)));
+  const auto snapshot = buffer_snapshot_;
+  if (buffers != nullptr) {
+    *buffers = snapshot;
+  }
+  std::vector<c10::IValue> outputs(n);
+  try {
+    auto replicas = replicator_->replicate(used, /*detach=*/!c10::GradMode::is_enabled());
+    parallel_run(n, used, [&](size_t i) {
+      const auto& elements = args[i].toTupleRef().elements();
+      outputs[i] = replicas[i].forward(std::vector<c10::IValue>(elements.begin(), elements.end()),
+                                       keywords_of(keyword_parts[i]));
+    });
+  } catch (...) {
+    snapshot->restore();
+    snapshot->release();
+    throw;
+  }
+  if (buffers == nullptr) {
+    snapshot->release();
+  }
+  return outputs;
+}
+
+std::vector<c10::IValue> ScriptDataParallel::forward_replicas(std::vector<c10::IValue> inputs,
+                                                              const torch::jit::Kwargs& kwargs) {
+  return run(std::move(inputs), kwargs, nullptr);
+}
+
+c10::IValue ScriptDataParallel::forward(std::vector<c10::IValue> inputs,
+                                        const torch::jit::Kwargs& kwargs) {
+  std::shared_ptr<BufferSnapshot> buffers; // Note [Buffers of failed forwards]
+  auto outputs = run(std::move(inputs), kwargs, &buffers);
+  if (device_ids_.empty()) {
+    return std::move(outputs.front());
+  }
+  if (device_ids_.size() == 1) {
+    return detail::to_device(outputs.front(), *output_device_, kApi, kOutputNames);
+  }
+  try {
+    auto gathered =
+        detail::gather_value(outputs, *output_device_, options_.dim(), kApi, kOutputNames);
+    buffers->release();
+    return gathered;
+  } catch (...) {
+    buffers->restore();
+    buffers->release();
+    throw;
+  }
+}
+
+} // namespace torchdp
