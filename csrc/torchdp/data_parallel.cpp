@@ -1,5 +1,4 @@
 #include <torchdp/data_parallel.h>
-#include <torchdp/enclosing_forward.h>
 
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
@@ -299,30 +298,13 @@ void DataParallelImpl::apply_replicas(const std::vector<c10::Device>& used,
   if (options.bucket_cap_mb()) {
     bucket_size.emplace(autograd::bucket_bytes_from_mib(*options.bucket_cap_mb(), kApi));
   }
-  // Note [Buffers of failed forwards]: refreshed in place unless someone still holds it.
-  if (!buffer_snapshot_ || buffer_snapshot_.use_count() > 1) {
-    buffer_snapshot_ = std::make_shared<BufferSnapshot>();
-  }
-  buffer_snapshot_->take(originals);
-  const auto snapshot = buffer_snapshot_;
-  if (buffers != nullptr) {
-    *buffers = snapshot;
-  }
-  try {
+  detail::run_with_rollback(buffer_snapshot_, originals, buffers, [&] {
     auto replicas = replicator_->replicate(used, /*detach=*/!c10::GradMode::is_enabled());
-    const detail::EnclosingForwardGuard enclosing(snapshot->take_id()); // Note [Nested forwards]
     parallel_run(used.size(), used, [&](size_t i) {
       auto replica = wrap_(replicas[i]);
       fn(i, replica);
     });
-  } catch (...) {
-    snapshot->restore();
-    snapshot->release();
-    throw;
-  }
-  if (buffers == nullptr) {
-    snapshot->release(); // no gather follows: the forward is over
-  }
+  });
 }
 
 std::vector<at::Tensor> DataParallelImpl::run_graphed(

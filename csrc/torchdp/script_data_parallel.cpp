@@ -11,7 +11,6 @@
 #include <c10/util/irange.h>
 
 #include <algorithm>
-#include <unordered_set>
 
 namespace torchdp {
 namespace {
@@ -36,17 +35,6 @@ torch::jit::Kwargs keywords_of(const c10::IValue& value) {
     kwargs.emplace(entry.key().toStringRef(), entry.value());
   }
   return kwargs;
-}
-
-std::vector<at::Tensor> distinct_tensors(std::vector<at::Tensor> all) {
-  std::unordered_set<const c10::TensorImpl*> seen;
-  std::vector<at::Tensor> out;
-  for (auto& t : all) {
-    if (t.defined() && seen.insert(t.unsafeGetTensorImpl()).second) {
-      out.push_back(std::move(t));
-    }
-  }
-  return out;
 }
 
 } // namespace
@@ -93,7 +81,7 @@ std::vector<at::Tensor> ScriptDataParallel::parameters() const {
   for (const auto& p : module_.parameters()) {
     all.push_back(p);
   }
-  return distinct_tensors(std::move(all));
+  return detail::distinct(all);
 }
 
 void ScriptDataParallel::ensure_placement() {
@@ -182,30 +170,15 @@ std::vector<c10::IValue> ScriptDataParallel::run(std::vector<c10::IValue> inputs
   for (const auto& b : module_.buffers()) {
     originals.push_back(b);
   }
-  if (!buffer_snapshot_ || buffer_snapshot_.use_count() > 1) {
-    buffer_snapshot_ = std::make_shared<BufferSnapshot>();
-  }
-  buffer_snapshot_->take(distinct_tensors(std::move(originals)));
-  const auto snapshot = buffer_snapshot_;
-  if (buffers != nullptr) {
-    *buffers = snapshot;
-  }
   std::vector<c10::IValue> outputs(n);
-  try {
+  detail::run_with_rollback(buffer_snapshot_, originals, buffers, [&] {
     auto replicas = replicator_->replicate(used, /*detach=*/!c10::GradMode::is_enabled());
     parallel_run(n, used, [&](size_t i) {
       const auto& elements = args[i].toTupleRef().elements();
       outputs[i] = replicas[i].forward(std::vector<c10::IValue>(elements.begin(), elements.end()),
                                        keywords_of(keyword_parts[i]));
     });
-  } catch (...) {
-    snapshot->restore();
-    snapshot->release();
-    throw;
-  }
-  if (buffers == nullptr) {
-    snapshot->release();
-  }
+  });
   return outputs;
 }
 
