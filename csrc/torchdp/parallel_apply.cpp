@@ -10,6 +10,7 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Type.h>
+#include <torch/csrc/autograd/engine.h>
 
 #if defined(__GLIBCXX__)
 #include <cxxabi.h> // abi::__forced_unwind
@@ -38,16 +39,11 @@ thread_local bool in_worker = false;
 // Workers are made on first use and reused, since parallel_apply runs every step. A call's tasks
 // start at once, each on an idle worker of its slot or a new one, never queued behind another
 // call's: replicas that wait for each other (synchronised BatchNorm) cannot deadlock with a
-// concurrent call's. A forked child gets a fresh pool (pthread_atfork). Pools are never destroyed:
-// joining threads in static destructors can deadlock with libraries already torn down.
+// concurrent call's. A forked child gets a fresh pool (Note [Forked children]). Pools are never
+// destroyed: joining threads in static destructors can deadlock with libraries already torn down.
 class WorkerPool {
  public:
   static WorkerPool& instance() {
-    static const bool registered = [] {
-      pthread_atfork(nullptr, nullptr, &after_fork_in_child);
-      return true;
-    }();
-    (void)registered;
     WorkerPool* pool = current_.load(std::memory_order_acquire);
     if (pool == nullptr) {
       auto* fresh = new WorkerPool();
@@ -57,6 +53,12 @@ class WorkerPool {
       delete fresh; // another thread made the pool first; `pool` holds it
     }
     return *pool;
+  }
+
+  // In a forked child: the parent's workers are gone, the next call makes a new pool (the old
+  // one is leaked, with the idle lists that name the dead threads).
+  static void forget() {
+    current_.store(nullptr, std::memory_order_release);
   }
 
   // Runs `task` at once on an idle worker of `slot`, or a new one; then `done`, once that worker
@@ -139,11 +141,6 @@ class WorkerPool {
     return true;
   }
 
-  static void after_fork_in_child() {
-    if (current_.load(std::memory_order_acquire) != nullptr) {
-      current_.store(new WorkerPool(), std::memory_order_release); // the old one is leaked
-    }
-  }
 
   static std::atomic<WorkerPool*> current_;
   std::mutex mutex_;
@@ -254,6 +251,37 @@ struct Run {
   Latch latch;
 };
 
+// Note [Forked children]
+// The parent's workers do not exist in a forked child: the child makes a new pool. torch's Python
+// autograd engine also rebuilds itself in a child, on its first use by any thread and without a
+// lock (it counts on the GIL, which torch's ops release while they run): replicas that start
+// together in a fresh child would rebuild it at the same time and corrupt the heap. So the first
+// parallel run in a child has the engine rebuilt on the calling thread before any task starts.
+std::atomic<bool> forked_child{false};
+std::mutex forked_child_mutex;
+
+void after_fork_in_child() {
+  WorkerPool::forget();
+  forked_child.store(true, std::memory_order_release);
+}
+
+// Registered when the library loads, so that a child forked before torchdp's first parallel run
+// is seen too.
+[[maybe_unused]] const bool fork_handler_registered = [] {
+  return pthread_atfork(nullptr, nullptr, &after_fork_in_child) == 0;
+}();
+
+void settle_after_fork() {
+  if (!forked_child.load(std::memory_order_acquire)) {
+    return;
+  }
+  const std::lock_guard<std::mutex> lock(forked_child_mutex);
+  if (forked_child.load(std::memory_order_acquire)) {
+    (void)torch::autograd::Engine::get_default_engine();
+    forked_child.store(false, std::memory_order_release);
+  }
+}
+
 bool inline_run(size_t n) {
   return n <= 1 || in_worker;
 }
@@ -273,6 +301,7 @@ std::shared_ptr<Run> start(size_t n, const std::vector<c10::Device>& devices,
     }
     return run;
   }
+  settle_after_fork();
   auto& pool = WorkerPool::instance();
   for (size_t i = 1; i < n; ++i) {
     pool.submit(
