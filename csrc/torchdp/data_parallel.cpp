@@ -331,19 +331,9 @@ at::Tensor DataParallelImpl::join(std::vector<at::Tensor> outputs,
   if (device_ids_.size() == 1) { // one device: no gather, only the move to output_device
     return outputs.front().to(*output_device_);
   }
-  try {
-    auto gathered = autograd::gather(outputs, *output_device_, options.dim());
-    if (buffers) {
-      buffers->release();
-    }
-    return gathered;
-  } catch (...) {
-    if (buffers) {
-      buffers->restore();
-      buffers->release();
-    }
-    throw;
-  }
+  return detail::gather_and_release(buffers, [&] {
+    return autograd::gather(outputs, *output_device_, options.dim());
+  });
 }
 
 at::Tensor parallel_loss(

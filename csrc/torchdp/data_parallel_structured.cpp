@@ -108,20 +108,9 @@ c10::IValue DataParallelImpl::join_structured(
   if (device_ids_.size() == 1) {
     return detail::to_device(outputs.front(), *output_device_, kApi, kOutputNames);
   }
-  try {
-    auto gathered =
-        detail::gather_value(outputs, *output_device_, options.dim(), kApi, kOutputNames);
-    if (buffers) {
-      buffers->release();
-    }
-    return gathered;
-  } catch (...) {
-    if (buffers) {
-      buffers->restore();
-      buffers->release();
-    }
-    throw;
-  }
+  return detail::gather_and_release(buffers, [&] {
+    return detail::gather_value(outputs, *output_device_, options.dim(), kApi, kOutputNames);
+  });
 }
 
 } // namespace torchdp

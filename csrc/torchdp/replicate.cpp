@@ -4,6 +4,7 @@
 #include <torchdp/enclosing_forward.h>
 #include <torchdp/errors.h>
 #include <torchdp/profiling.h>
+#include <torchdp/replica_sets.h>
 #include <torchdp/replicate.h>
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -25,7 +26,6 @@ namespace torchdp {
 namespace {
 
 constexpr const char* kApi = "torchdp::replicate";
-constexpr size_t kMaxCachedDeviceLists = 8;
 
 using torch::nn::Module;
 
@@ -327,42 +327,22 @@ std::vector<std::shared_ptr<Module>> Replicator::replicate(
     unique_of[s] = it->second;
   }
 
-  ReplicaSet* set = nullptr;
-  for (auto it = state_->sets.begin(); it != state_->sets.end(); ++it) {
-    if (it->devices == devices) {
-      if (it->signature == w.signature) {
-        std::rotate(it, it + 1, state_->sets.end());
-        set = &state_->sets.back();
-      } else {
-        state_->sets.erase(it);
-      }
-      break;
-    }
-  }
-  const bool built = set == nullptr;
+  bool built = false;
+  ReplicaSet* set = &detail::cached_replica_set<ReplicaSet>(
+      state_->sets, devices, w.signature,
+      [&] {
+        return build(w, devices, state_->clone, *module);
+      },
+      &built);
   if (built) {
-    auto fresh = build(w, devices, state_->clone, *module);
     ++state_->builds;
-    if (state_->sets.size() >= kMaxCachedDeviceLists) {
-      state_->sets.erase(state_->sets.begin());
-    }
-    state_->sets.push_back(std::move(fresh));
-    set = &state_->sets.back();
   }
 
-  // Broadcast from the source; a source that is not devices[0] gets copied to every device.
   const size_t n = devices.size();
   size_t offset = 0;
-  std::vector<std::vector<at::Tensor>> copies;
-  if (!unique.empty()) {
-    std::vector<c10::Device> targets = devices;
-    if (*source != devices[0]) {
-      targets.insert(targets.begin(), *source);
-      offset = 1;
-    }
-    copies = detach ? comm::broadcast_coalesced(unique, targets)
-                    : autograd::broadcast_coalesced(unique, targets);
-  }
+  const auto copies = unique.empty()
+                          ? std::vector<std::vector<at::Tensor>>{}
+                          : detail::broadcast_from(unique, *source, devices, detach, &offset);
 
   try {
     for (const auto j : c10::irange(n)) {
@@ -705,6 +685,20 @@ size_t BufferSnapshot::restore() {
 }
 
 namespace detail {
+
+std::vector<std::vector<at::Tensor>> broadcast_from(const std::vector<at::Tensor>& tensors,
+                                                    c10::Device source,
+                                                    const std::vector<c10::Device>& devices,
+                                                    bool detach, size_t* offset) {
+  std::vector<c10::Device> targets = devices;
+  *offset = 0;
+  if (source != devices.front()) {
+    targets.insert(targets.begin(), source);
+    *offset = 1;
+  }
+  return detach ? comm::broadcast_coalesced(tensors, targets)
+                : autograd::broadcast_coalesced(tensors, targets);
+}
 
 void run_with_rollback(std::shared_ptr<BufferSnapshot>& slot,
                        const std::vector<at::Tensor>& originals,

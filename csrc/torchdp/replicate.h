@@ -140,6 +140,25 @@ std::vector<at::Tensor> distinct(const std::vector<at::Tensor>& all,
 void run_with_rollback(std::shared_ptr<BufferSnapshot>& slot,
                        const std::vector<at::Tensor>& originals,
                        std::shared_ptr<BufferSnapshot>* keep, const std::function<void()>& body);
+/// The gather that ends a forward whose snapshot `buffers` is still held (run_with_rollback's
+/// `keep`): returns `gather()` and releases the snapshot; when `gather` throws, writes the copy
+/// back first.
+template <typename Gather>
+auto gather_and_release(const std::shared_ptr<BufferSnapshot>& buffers, Gather&& gather) {
+  try {
+    auto gathered = gather();
+    if (buffers) {
+      buffers->release();
+    }
+    return gathered;
+  } catch (...) {
+    if (buffers) {
+      buffers->restore();
+      buffers->release();
+    }
+    throw;
+  }
+}
 /// module->to(device) in place, also between backends set_data() refuses to mix (cpu and meta).
 /// Parameters stay the same tensors (and leaves); their gradients move along.
 void move_module(torch::nn::Module& module, c10::Device device);

@@ -197,16 +197,9 @@ c10::IValue ScriptDataParallel::forward(std::vector<c10::IValue> inputs,
   if (device_ids_.size() == 1) {
     return detail::to_device(outputs.front(), *output_device_, kApi, kOutputNames);
   }
-  try {
-    auto gathered =
-        detail::gather_value(outputs, *output_device_, options_.dim(), kApi, kOutputNames);
-    buffers->release();
-    return gathered;
-  } catch (...) {
-    buffers->restore();
-    buffers->release();
-    throw;
-  }
+  return detail::gather_and_release(buffers, [&] {
+    return detail::gather_value(outputs, *output_device_, options_.dim(), kApi, kOutputNames);
+  });
 }
 
 } // namespace torchdp

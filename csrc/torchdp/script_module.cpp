@@ -1,11 +1,10 @@
 // Replicas of scripted modules and their data-parallel forward (Note [Replicating TorchScript
 // modules] in script_module.h).
-#include <torchdp/autograd.h>
-#include <torchdp/comm.h>
 #include <torchdp/devices.h>
 #include <torchdp/errors.h>
 #include <torchdp/parallel_apply.h>
 #include <torchdp/profiling.h>
+#include <torchdp/replica_sets.h>
 #include <torchdp/script_module.h>
 
 #include <c10/core/GradMode.h>
@@ -21,7 +20,6 @@ namespace {
 
 constexpr const char* kReplicateApi = "torchdp::replicate";
 constexpr const char* kApi = "torchdp::ScriptDataParallel";
-constexpr size_t kMaxCachedDeviceLists = 8;
 
 using ObjectPtr = c10::intrusive_ptr<c10::ivalue::Object>;
 
@@ -179,39 +177,21 @@ std::vector<torch::jit::Module> ScriptReplicator::replicate(
     unique_of[s] = it->second;
   }
 
-  ReplicaSet* set = nullptr;
-  for (auto it = state_->sets.begin(); it != state_->sets.end(); ++it) {
-    if (it->devices == devices) {
-      if (it->signature == w.signature) {
-        std::rotate(it, it + 1, state_->sets.end());
-        set = &state_->sets.back();
-      } else {
-        state_->sets.erase(it);
-      }
-      break;
-    }
-  }
-  if (set == nullptr) {
-    auto fresh = build(w, devices);
+  bool built = false;
+  ReplicaSet* set = &detail::cached_replica_set<ReplicaSet>(
+      state_->sets, devices, w.signature,
+      [&] {
+        return build(w, devices);
+      },
+      &built);
+  if (built) {
     ++state_->builds;
-    if (state_->sets.size() >= kMaxCachedDeviceLists) {
-      state_->sets.erase(state_->sets.begin());
-    }
-    state_->sets.push_back(std::move(fresh));
-    set = &state_->sets.back();
   }
 
   size_t offset = 0;
-  std::vector<std::vector<at::Tensor>> copies;
-  if (!unique.empty()) {
-    std::vector<c10::Device> targets = devices;
-    if (*source != devices[0]) {
-      targets.insert(targets.begin(), *source);
-      offset = 1;
-    }
-    copies = detach ? comm::broadcast_coalesced(unique, targets)
-                    : autograd::broadcast_coalesced(unique, targets);
-  }
+  const auto copies = unique.empty()
+                          ? std::vector<std::vector<at::Tensor>>{}
+                          : detail::broadcast_from(unique, *source, devices, detach, &offset);
 
   // Every slot of every replica object: submodules, tensor copies, the original's other values.
   std::vector<torch::jit::Module> replicas;
