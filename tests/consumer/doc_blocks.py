@@ -38,10 +38,7 @@ def main(root: pathlib.Path, out: pathlib.Path) -> int:
         return 1
     listing = "".join(f'  "{p.as_posix()}"\n' for p in written)
     page_listing = "".join(f'  "{p.as_posix()}"\n' for p in pages)
-    cmake = (
-        f"set(TORCHDP_DOC_BLOCKS\n{listing})\n"
-        f"set(TORCHDP_DOC_PAGES\n{page_listing})\n"
-    )
+    cmake = f"set(TORCHDP_DOC_BLOCKS\n{listing})\nset(TORCHDP_DOC_PAGES\n{page_listing})\n"
     index = out / "doc_blocks.cmake"
     if not index.exists() or index.read_text() != cmake:
         index.write_text(cmake)

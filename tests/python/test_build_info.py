@@ -23,11 +23,7 @@ def test_build_records_the_running_torch() -> None:
 @pytest.mark.parametrize("attribute", ["__version__", "version.cuda"])
 def test_import_refuses_another_torch(attribute: str) -> None:
     fake = "0.0.1+other" if attribute == "__version__" else "99.9"
-    code = (
-        "import torch\n"
-        f"torch.{attribute} = {fake!r}\n"
-        "import torchdp\n"
-    )
+    code = f"import torch\ntorch.{attribute} = {fake!r}\nimport torchdp\n"
     result = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ)
     )

@@ -16,7 +16,7 @@ import warnings
 
 import pytest
 import torch
-from dp_testing import cpu_devices, cuda_devices
+from dp_testing import cpu_devices
 from torch import nn
 from torch.utils import _pytree
 

@@ -17,6 +17,7 @@ from torch import nn
 
 import torchdp
 
+
 def _mlp(layers: int = 6, width: int = 32) -> nn.Sequential:
     torch.manual_seed(0)
     mods: list[nn.Module] = []
