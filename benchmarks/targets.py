@@ -417,7 +417,11 @@ def judge(records: Iterable[Record]) -> list[Verdict]:
 
 
 def has_two_gpu_records(records: Iterable[Record]) -> bool:
-    return any(isinstance(r, dict) and num(r.get("gpus")) == GPUS for r in records)
+    """Whether some record ran on two distinct GPUs (replicas sharing one GPU do not count)."""
+    return any(
+        isinstance(r, dict) and num(r.get("gpus")) == GPUS and not _shares_a_device(r)
+        for r in records
+    )
 
 
 def section(records: list[Record]) -> list[str]:

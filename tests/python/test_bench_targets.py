@@ -142,6 +142,18 @@ def test_report_has_the_targets_section_only_with_two_gpu_records(tmp_path):
     path.write_text(json.dumps(smoke))
     assert "## Targets" not in report.render([str(path)], str(tmp_path / "s.md"), None)
     assert targets.main([str(path)]) == 1
+    # Two replicas on one GPU (a one-GPU run of the C++ suite): no two-GPU targets to judge.
+    shared = {
+        "machine": {"gpus": ["NVIDIA H200"]},
+        "records": [
+            train("mlp", "single", 1, 3.0, devices="cuda:0"),
+            train("mlp", "torchdp", 2, 4.0, devices="cuda:0,cuda:0"),
+        ],
+    }
+    path = tmp_path / "shared.json"
+    path.write_text(json.dumps(shared))
+    assert "## Targets" not in report.render([str(path)], str(tmp_path / "o.md"), None)
+    assert targets.main([str(path)]) == 1
 
 
 def test_training_targets_default_option_and_missing():
