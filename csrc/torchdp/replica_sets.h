@@ -6,7 +6,6 @@
 
 #include <algorithm>
 #include <cstddef>
-#include <functional>
 #include <vector>
 
 namespace torchdp::detail {
@@ -18,10 +17,9 @@ inline constexpr size_t kMaxCachedDeviceLists = 8;
 /// for `signature`; one built for another signature is dropped. Otherwise `build()` makes one,
 /// stored last, dropping the least recently used set when kMaxCachedDeviceLists are kept.
 /// `*built` says which happened. `Set` has `devices` and `signature` members.
-template <typename Set, typename Signature>
+template <typename Set, typename Signature, typename Build>
 Set& cached_replica_set(std::vector<Set>& sets, const std::vector<c10::Device>& devices,
-                        const Signature& signature, const std::function<Set()>& build,
-                        bool* built) {
+                        const Signature& signature, Build&& build, bool* built) {
   for (auto it = sets.begin(); it != sets.end(); ++it) {
     if (it->devices != devices) {
       continue;

@@ -328,7 +328,7 @@ std::vector<std::shared_ptr<Module>> Replicator::replicate(
   }
 
   bool built = false;
-  ReplicaSet* set = &detail::cached_replica_set<ReplicaSet>(
+  ReplicaSet* set = &detail::cached_replica_set(
       state_->sets, devices, w.signature,
       [&] {
         return build(w, devices, state_->clone, *module);

@@ -178,7 +178,7 @@ std::vector<torch::jit::Module> ScriptReplicator::replicate(
   }
 
   bool built = false;
-  ReplicaSet* set = &detail::cached_replica_set<ReplicaSet>(
+  ReplicaSet* set = &detail::cached_replica_set(
       state_->sets, devices, w.signature,
       [&] {
         return build(w, devices);
