@@ -586,96 +586,71 @@ def problems_section(
 # ---- plots --------------------------------------------------------------------------------------
 
 
+# The chart shows one bar per way of training: PyTorch's and LibTorch's data parallelism, torchdp,
+# DDP. A model measured with the loss per replica (`*_balanced`) shows that variant.
+CHART_MODES = {
+    "torch_dp": "nn.DataParallel",
+    "libtorch_dp": "LibTorch data_parallel",
+    "torchdp": "torchdp",
+    "torchdp_graphs": "torchdp, CUDA graphs",
+    "ddp": "DDP (one process per GPU)",
+}
+
+
 def plot_speedup(records: list[Record], machine: dict[str, Any], path: str) -> str | None:
-    bars = [
-        r
-        for r in records
-        if not failed(r)
-        and num(r.get("speedup_vs_single")) is not None
-        and "step_ms_median" in r
-        and str(r.get("mode")) != "single"
-    ]
-    if not bars:
+    values: dict[tuple[str, str], float] = {}
+    balanced: set[str] = set()  # models measured with the loss per replica
+    groups: list[str] = []
+    for r in ordered(records):
+        mode = str(r.get("mode"))
+        base = mode.removesuffix("_balanced")
+        speedup = num(r.get("speedup_vs_single"))
+        if failed(r) or speedup is None or "step_ms_median" not in r or base not in CHART_MODES:
+            continue
+        group = f"{r.get('model')} {r.get('dtype')}"
+        if group not in groups:
+            groups.append(group)
+        if mode != base:
+            balanced.add(group)
+            values[(group, base)] = float(speedup)
+        elif group not in balanced or (group, base) not in values:
+            values.setdefault((group, base), float(speedup))
+    if not values:
         return None
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    groups: list[str] = []
-    modes: list[str] = []
-    seen: list[str] = []
-    values: dict[tuple[str, str], float] = {}
-
-    # A mode measured at several GPU counts gets one bar per count.
-    def devices_of(r: Record) -> int:  # smoke runs: 0 GPUs, n CPU replicas
-        return int(num(r.get("gpus")) or num(r.get("replicas")) or 0)
-
-    counts: dict[str, set[int]] = {}
-    for r in bars:
-        counts.setdefault(str(r.get("mode")), set()).add(devices_of(r))
-    base_mode: dict[str, tuple[str, int]] = {}
-    for r in ordered(bars):
-        g = f"{r.get('model')}\n{r.get('dtype')}"
-        m = str(r.get("mode"))
-        base_mode.setdefault(m, (m, devices_of(r)))
-        if len(counts[m]) > 1:
-            base = m
-            m += f" ({devices_of(r)} devices)"
-            base_mode[m] = (base, devices_of(r))
-        if g not in groups:
-            groups.append(g)
-        if m not in modes:
-            modes.append(m)
-        values[(g, m)] = float(r["speedup_vs_single"])
-    modes.sort(key=lambda m: (mode_key(base_mode[m][0], seen), base_mode[m][1]))
-    n_gpus = max([devices_of(r) for r in bars] + [int(machine.get("gpu_count") or 0)])
-    # Each group centres the bars of the modes it has (the C++ models have other modes than the
-    # Python ones); a mode keeps its colour everywhere.
-    widest = max(sum((g, m) in values for m in modes) for g in groups)
-    width = 0.8 / max(1, widest)
-    fig, ax = plt.subplots(figsize=(max(7.0, 0.45 * len(values) + 3), 5.2))
-    cmap = plt.get_cmap("tab10")
-    colors = {m: cmap(i % 10) for i, m in enumerate(modes)}
-    labelled: set[str] = set()
-    for j, g in enumerate(groups):
+    modes = [m for m in CHART_MODES if any((g, m) in values for g in groups)]
+    n_gpus = int(machine.get("gpu_count") or 0)
+    row = 0.22  # inches per bar
+    heights = [sum((g, m) in values for m in modes) for g in groups]
+    fig, ax = plt.subplots(figsize=(8.0, 2.0 + row * (sum(heights) + len(groups))))
+    palette = {"torch_dp": 7, "libtorch_dp": 5, "torchdp": 3, "torchdp_graphs": 1, "ddp": 0}
+    colors = {m: plt.get_cmap("tab10")(palette[m]) for m in modes}
+    y, ticks, labelled = 0.0, [], set()
+    for g in groups:
         present = [m for m in modes if (g, m) in values]
-        for i, m in enumerate(present):
-            x = j + (i - (len(present) - 1) / 2) * width
-            y = values[(g, m)]
-            ax.bar([x], [y], width, color=colors[m], label=None if m in labelled else m)
+        ticks.append(y + (len(present) - 1) / 2)
+        for m in present:
+            v = values[(g, m)]
+            ax.barh(y, v, 0.85, color=colors[m], label=None if m in labelled else CHART_MODES[m])
             labelled.add(m)
-            ax.annotate(
-                f"{y:.2f}",
-                (x, y),
-                ha="center",
-                va="bottom",
-                fontsize=6.5,
-                xytext=(0, 1),
-                textcoords="offset points",
-            )
-    ax.axhline(1.0, color="black", linestyle="--", linewidth=1, label="one GPU (1.0)")
+            ax.annotate(f"{v:.2f}x", (v, y), xytext=(3, 0), textcoords="offset points",
+                        va="center", fontsize=8)  # fmt: skip
+            y += 1
+        y += 1
+    ax.set_yticks(ticks)
+    ax.set_yticklabels([f"{g}\nloss per replica" if g in balanced else g for g in groups], fontsize=9)
+    ax.invert_yaxis()
+    ax.axvline(1.0, color="black", linestyle="--", linewidth=1)
     if n_gpus > 1:
-        ax.axhline(
-            float(n_gpus),
-            color="gray",
-            linestyle="--",
-            linewidth=1,
-            label=f"{n_gpus} devices, ideal ({n_gpus}.0)",
-        )
-    ax.set_xticks(range(len(groups)))
-    ax.set_xticklabels(groups, fontsize=8)
-    ax.set_ylabel("speedup over one GPU")
-    title = machine_name_text(machine)
-    ax.set_title(f"Training-step speedup over one GPU{title}")
-    ax.legend(
-        fontsize=8,
-        ncol=min(4, len(modes) + 2),
-        loc="upper center",
-        bbox_to_anchor=(0.5, -0.14),
-        frameon=False,
-    )
-    ax.set_ylim(0, max([n_gpus * 1.15, 1.3] + [v * 1.15 for v in values.values()]))
+        ax.axvline(float(n_gpus), color="gray", linestyle=":", linewidth=1)
+    ax.set_xlim(0, max([n_gpus * 1.1, 1.3] + [v * 1.15 for v in values.values()]))
+    ax.set_xlabel("speedup over one GPU (dashed: one GPU; dotted: ideal)", fontsize=9)
+    ax.set_title(f"Training-step speedup{machine_name_text(machine)}", fontsize=11)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.09), ncol=3, frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The user's install, checked end to end: a fresh virtualenv, torch, then
 # `pip install --no-build-isolation .`; torchdp imported from outside the source tree; the wheel's
-# metadata (license, pinned torch) and its stripped module; and this folder's C++ app built
-# against the pip-installed package through torchdp.cmake_prefix_path alone.
+# metadata (license, pinned torch) and its stripped module; a failed configure that does not stick;
+# `make demo` on the installed package; and this folder's C++ app built against the pip-installed
+# package through torchdp.cmake_prefix_path alone.
 #   tests/consumer/fresh_venv.sh [VENV_DIR]      (default: build/fresh-venv)
 # TORCH_VERSION (default 2.13.0) and TORCH_INDEX_URL choose the torch that goes into the venv;
 # CMAKE_ARGS (shell words) go to both CMake configures (setup.py's through TORCHDP_CMAKE_ARGS).
@@ -22,6 +23,25 @@ echo "== fresh venv $venv: $("$venv/bin/pip" --version | cut -d' ' -f1-2)," \
 start=$(date +%s)
 (cd "$root" && "$venv/bin/pip" install --quiet --no-build-isolation .)
 echo "== pip install --no-build-isolation . took $(( $(date +%s) - start )) s"
+
+# A failed configure must not stick: an option that cannot hold here (NCCL without CUDA) fails,
+# then the plain install configures afresh and succeeds, rebuilding nothing that was built.
+if (cd "$root" && TORCHDP_CMAKE_ARGS="-DTORCHDP_WITH_CUDA=OFF -DTORCHDP_WITH_NCCL=ON" \
+    "$venv/bin/pip" install --quiet --no-build-isolation . >/dev/null 2>&1); then
+  echo "fresh_venv.sh: TORCHDP_WITH_NCCL=ON without CUDA should have failed" >&2; exit 1
+fi
+start=$(date +%s)
+(cd "$root" && "$venv/bin/pip" install --quiet --no-build-isolation .)
+echo "== after a failed configure, pip install again took $(( $(date +%s) - start )) s"
+
+# The README's demo runs on the installed package, without building anything.
+start=$(date +%s)
+demo=$(make -C "$root" --no-print-directory demo PYTHON="$venv/bin/python" 2>&1) || {
+  echo "$demo"; exit 1; }
+if grep -q "building the extension in place" <<<"$demo"; then
+  echo "$demo"; echo "fresh_venv.sh: make demo built the extension despite the install" >&2; exit 1
+fi
+echo "== make demo ran on the installed package in $(( $(date +%s) - start )) s"
 
 cd "$(mktemp -d)"   # away from the source tree, so the installed package is what is imported
 "$venv/bin/python" - <<'PY'
