@@ -59,6 +59,8 @@ MODE_ORDER = [
 ]
 DTYPE_ORDER = ["fp32", "tf32", "bf16", "fp16"]
 CPP_BENCHES = ("cpp_train_step", "cpp_replicate")
+# bench_threads.py: CPU replicas, shown with their CPU time and threads, not as training steps.
+THREAD_BENCHES = ("threads",)
 REPLICATE_BENCHES = ("replicate", "replicate_curve", "cpp_replicate")
 
 
@@ -275,7 +277,11 @@ def machine_section(machine: dict[str, Any], extra: list[dict[str, Any]]) -> lis
 
 
 def train_section(records: list[Record]) -> list[str]:
-    train = [r for r in records if "step_ms_median" in r and r.get("bench") not in CPP_BENCHES]
+    train = [
+        r
+        for r in records
+        if "step_ms_median" in r and r.get("bench") not in (*CPP_BENCHES, *THREAD_BENCHES)
+    ]
     ok = [r for r in train if not failed(r)]
     if not ok:
         return []
@@ -336,6 +342,40 @@ def train_section(records: list[Record]) -> list[str]:
         rows,
     )
     return lines
+
+
+def threads_section(records: list[Record]) -> list[str]:
+    """bench_threads.py: CPU replicas with wall and CPU time per step, threads and the GIL."""
+    ok = [r for r in records if r.get("bench") in THREAD_BENCHES and not failed(r)]
+    if not ok:
+        return []
+    lines = [
+        "## CPU replicas: threads and the GIL",
+        "",
+        (
+            "Median wall and CPU ms per training step (CPU: `time.process_time`, every thread of "
+            "the process); intra-op: torch's default thread count, `1` from the start, or "
+            "`1-after` a first step at the default; OS threads of the process after the mode."
+        ),
+        "",
+    ]
+    rows = [
+        [
+            r.get("model"),
+            r.get("batch"),
+            r.get("intra_op"),
+            r.get("mode"),
+            r.get("replicas"),
+            "on" if r.get("gil_enabled", True) else "off",
+            fmt_ms(r.get("step_ms_median")),
+            fmt_ms(r.get("cpu_ms_median")),
+            speedup_cell(r),
+            r.get("os_threads"),
+        ]
+        for r in ok
+    ]
+    headers = ["model", "batch", "intra-op", "mode", "replicas", "GIL", "wall ms", "CPU ms"]
+    return lines + table([*headers, "speedup vs single", "OS threads"], rows)
 
 
 def memory_section(records: list[Record]) -> list[str]:
@@ -831,7 +871,8 @@ def render(paths: list[str], md_path: str, plot_prefix: str | None) -> str:
     lines += [f"Source: {', '.join(f'`{p}`' for p in paths)}; {len(records)} records.", ""]
     lines += machine_section(machine, extra)
     lines += targets.section(records)
-    for section in (train_section, memory_section, replicate_section, cpp_section):
+    sections = (train_section, threads_section, memory_section, replicate_section, cpp_section)
+    for section in sections:
         lines += section(records)
     if plots:
         md_dir = Path(md_path).resolve().parent

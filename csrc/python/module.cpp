@@ -2,6 +2,7 @@
 // bind_*.cpp and replicate_*.cpp. See python/torchdp/_C.pyi for the interface.
 
 #include "bindings.h"
+#include "replication.h"
 
 #include <torchdp/config.h>
 
@@ -47,10 +48,14 @@ TORCHDP_CATCHES_FORCED_UNWIND GilAcquire::GilAcquire() {
 #define TORCH_EXTENSION_NAME _C
 #endif
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+// Note [Free-threaded Python] (py_dict.h): safe without the GIL; a no-op on GIL builds.
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m, pybind11::mod_gil_not_used()) {
   // torch's Python types exist only once torch._C initialises (THPVariableClass); torchdp imports
   // torch first, this covers a direct `import torchdp._C`.
   pybind11::module_::import("torch");
+  // Made here, on one thread: a first use racing in several threads would wait on C++'s static
+  // initialisation guard while the first runs Python code (imports), a deadlock without the GIL.
+  (void)torchdp::python::replication::refs();
 
   m.doc() = "torchdp._C: C++ core of torchdp (DataParallel for LibTorch), bound with pybind11.";
   m.attr("__version__") = TORCHDP_VERSION;

@@ -177,15 +177,15 @@ void recompile_replicas(const Network& net, const std::vector<py::list>& copies)
         py::handle(list[i]).attr("_initialize")();
       }
     }
-    PyObject* compiled = compiled_call(e);
-    if (compiled == nullptr) {
+    const py::object compiled = compiled_call(e);
+    if (!compiled) {
       continue;
     }
     if (!rebind) {
       rebind = py::module_::import("torchdp._compiled").attr("rebind_compiled_call");
     }
     for (const auto& list : copies) {
-      rebind(list[i], py::handle(compiled));
+      rebind(list[i], compiled);
     }
   }
 }
@@ -212,17 +212,14 @@ void wire_plain(const ModuleEntry& e, size_t j, const std::vector<py::list>& cop
   const auto& r = refs();
   const auto& d = dicts[j][i];
   py::handle replica = copies[j][i];
-  PyObject *key = nullptr, *value = nullptr;
-  Py_ssize_t pos = 0;
-  while (PyDict_Next(e.children.ptr(), &pos, &key, &value)) {
+  for_each_item(e.children.ptr(), [&](PyObject* key, PyObject* value) {
     dict_set(d.modules.ptr(), key,
              value == Py_None ? Py_None : copies[j][net.index.at(value)].ptr());
-  }
-  pos = 0;
-  while (PyDict_Next(e.params.ptr(), &pos, &key, &value)) {
+  });
+  for_each_item(e.params.ptr(), [&](PyObject* key, PyObject* value) {
     if (value == Py_None) {
       dict_set(d.params.ptr(), key, Py_None);
-      continue;
+      return;
     }
     py::handle copy = tensors.param(j, value);
     int is_parameter = 0;
@@ -236,11 +233,10 @@ void wire_plain(const ModuleEntry& e, size_t j, const std::vector<py::list>& cop
     if (PyObject_SetItem(d.former.ptr(), key, copy.ptr()) < 0) {
       throw py::error_already_set();
     }
-  }
-  pos = 0;
-  while (PyDict_Next(e.buffers.ptr(), &pos, &key, &value)) {
+  });
+  for_each_item(e.buffers.ptr(), [&](PyObject* key, PyObject* value) {
     if (value == Py_None) {
-      continue; // the copied _buffers already holds None
+      return; // the copied _buffers already holds None
     }
     py::handle copy = tensors.buffer(j, value);
     if (may_hold_originals) {
@@ -250,11 +246,11 @@ void wire_plain(const ModuleEntry& e, size_t j, const std::vector<py::list>& cop
       }
       if (is_parameter) { // a Parameter registered as a buffer: let setattr decide, as PyTorch
         py::setattr(replica, key, copy);
-        continue;
+        return;
       }
     }
     dict_set(d.buffers.ptr(), key, copy.ptr());
-  }
+  });
 }
 
 // The dev0 outputs of a detached broadcast are the originals.

@@ -6,7 +6,9 @@
 
 #include <c10/util/irange.h>
 
+#include <atomic>
 #include <memory>
+#include <mutex>
 #include <string>
 
 namespace torchdp::python::replication {
@@ -18,6 +20,20 @@ namespace {
 // __dict__ are unchanged, then empties their dicts. They are reused for the same classes in the
 // same order on the same devices (plain_only, no __slots__), refilled from this call's walk exactly
 // as new ones. The cache holds no reference to the network, nor the copies' flat buffers.
+// Without the GIL another thread's references count apart from the owner's, so a count read here
+// says nothing about references that other threads take or drop meanwhile: there replicas are never
+// kept (Note [Free-threaded Python]).
+#ifdef Py_GIL_DISABLED
+constexpr bool kKeepReplicas = false;
+#else
+constexpr bool kKeepReplicas = true;
+#endif
+
+// Note [Replica cache lock]
+// Concurrent calls on one cache (forwards of one DataParallel from several threads; on a GIL build
+// whenever the transfer releases the GIL) each take the state out of the cache under mutex_ and
+// work on their own. mutex_ guards only those moves: nothing under it runs Python code or frees a
+// Python object (what leaves the cache is destroyed after the lock is released).
 class ReplicaCache {
  public:
   // (copies, plain_only, reused, buffers); buffers: the network's buffers copied before this call
@@ -29,17 +45,23 @@ class ReplicaCache {
     phase.emplace("torchdp.replicate.walk");
     Source s;
     prepare(s, network, devices_in, detach);
-    if (!buffers_ || buffers_.use_count() > 1) {
-      buffers_ = std::make_shared<torchdp::BufferSnapshot>();
+    std::shared_ptr<torchdp::BufferSnapshot> buffers, replaced;
+    // Out of the cache: a concurrent call (the transfer releases the GIL) builds its own.
+    std::unique_ptr<State> state;
+    {
+      const std::lock_guard<std::mutex> lock(mutex_);
+      if (!buffers_ || buffers_.use_count() > 1) {
+        replaced = std::move(buffers_);
+        buffers_ = std::make_shared<torchdp::BufferSnapshot>();
+      }
+      buffers = buffers_; // held twice now: a concurrent call makes its own
+      state = std::move(state_);
     }
     {
       std::vector<at::Tensor> originals(s.plain_buffers);
       originals.insert(originals.end(), s.rg_buffers.begin(), s.rg_buffers.end());
-      buffers_->take(originals);
+      buffers->take(originals);
     }
-    const auto buffers = buffers_;
-    // Out of the cache: a concurrent call (the transfer releases the GIL) builds its own.
-    std::unique_ptr<State> state = std::move(state_);
     if (state && !(state->parked && reusable(*state, s))) {
       state.reset(); // before the transfer: its copies go first
     }
@@ -57,7 +79,7 @@ class ReplicaCache {
       std::vector<std::vector<ReplicaDicts>> dicts;
       copies = build(s, dicts);
       ++builds_;
-      if (s.plain_only && s.keepable) {
+      if (kKeepReplicas && s.plain_only && s.keepable) {
         state = std::make_unique<State>();
         state->devices = s.devices;
         for (const auto& e : s.net.modules) {
@@ -81,7 +103,8 @@ class ReplicaCache {
         }
       }
       state->parked = false;
-      state_ = std::move(state);
+      const std::lock_guard<std::mutex> lock(mutex_);
+      state_.swap(state); // a concurrent call's state, if any, is freed unlocked
     }
     py::list out;
     for (auto& list : copies) {
@@ -92,12 +115,16 @@ class ReplicaCache {
 
   // Takes the lent replicas back (Note [Kept replicas]); true when they are kept.
   bool park() {
-    if (!state_ || state_->parked) {
-      return state_ != nullptr;
+    // Out of the cache while checked: freeing copies may run Python code, and another call.
+    std::unique_ptr<State> state;
+    {
+      const std::lock_guard<std::mutex> lock(mutex_);
+      if (!state_ || state_->parked) {
+        return state_ != nullptr;
+      }
+      state = std::move(state_);
     }
     const detail::ProfilerRange range("torchdp.replicate.park");
-    // Out of the cache while checked: freeing copies may run Python code, and another call.
-    std::unique_ptr<State> state = std::move(state_);
     for (const auto j : c10::irange(state->replicas.size())) {
       for (const auto i : c10::irange(state->replicas[j].size())) {
         PyObject* replica = state->replicas[j][i].ptr();
@@ -117,26 +144,31 @@ class ReplicaCache {
       }
     }
     state->parked = true;
+    const std::lock_guard<std::mutex> lock(mutex_);
     if (state_) {
-      return false; // another call kept its own replicas meanwhile
+      return false; // another call kept its own replicas meanwhile (`state` is freed unlocked)
     }
     state_ = std::move(state);
     return true;
   }
 
   void drop() {
-    state_.reset();
-    buffers_.reset();
-  }
+    std::unique_ptr<State> state;
+    std::shared_ptr<torchdp::BufferSnapshot> buffers;
+    const std::lock_guard<std::mutex> lock(mutex_);
+    state = std::move(state_);
+    buffers = std::move(buffers_);
+  } // the lock goes before `state` and `buffers` (declared first) are freed
 
   int64_t builds() const {
-    return builds_;
+    return builds_.load();
   }
   int64_t reuses() const {
-    return reuses_;
+    return reuses_.load();
   }
   // "empty", "lent" or "parked".
   std::string state() const {
+    const std::lock_guard<std::mutex> lock(mutex_);
     return !state_ ? "empty" : state_->parked ? "parked" : "lent";
   }
 
@@ -194,9 +226,10 @@ class ReplicaCache {
     return copies;
   }
 
+  mutable std::mutex mutex_; // Note [Replica cache lock]
   std::unique_ptr<State> state_;
-  int64_t builds_ = 0;
-  int64_t reuses_ = 0;
+  std::atomic<int64_t> builds_{0};
+  std::atomic<int64_t> reuses_{0};
 };
 
 } // namespace

@@ -90,30 +90,18 @@ void check_replica_devices(const std::vector<py::list>& copies,
                         found);
       };
       // Parameter copies live in the instance __dict__ under the keys of _former_parameters.
-      py::object former = py::reinterpret_borrow<py::object>(
-          PyDict_Check(e.dict.ptr()) ? PyDict_GetItemWithError(e.dict.ptr(), r.key_former)
-                                     : nullptr);
-      if (PyErr_Occurred()) {
-        throw py::error_already_set();
-      }
+      const py::object former =
+          PyDict_Check(e.dict.ptr()) ? dict_get_ref(e.dict.ptr(), r.key_former) : py::object();
       if (former && PyDict_Check(former.ptr())) {
-        PyObject *key = nullptr, *value = nullptr;
-        Py_ssize_t pos = 0;
-        while (PyDict_Next(former.ptr(), &pos, &key, &value)) {
-          PyObject* held = PyDict_GetItemWithError(e.dict.ptr(), key);
-          py::object current;
-          if (held != nullptr) {
-            current = py::reinterpret_borrow<py::object>(held);
-          } else {
-            if (PyErr_Occurred()) {
-              throw py::error_already_set();
-            }
+        for_each_item(former.ptr(), [&](PyObject* key, PyObject*) {
+          py::object current = dict_get_ref(e.dict.ptr(), key);
+          if (!current) {
             current = py::getattr(e.module, key, py::none());
           }
           if (auto found = misplaced(current.ptr(), expected)) {
             fail(key, "parameter", *found);
           }
-        }
+        });
       }
       for (auto [member, kind] : {std::make_pair(&ModuleEntry::params, "parameter"),
                                   std::make_pair(&ModuleEntry::buffers, "buffer")}) {
@@ -128,13 +116,11 @@ void check_replica_devices(const std::vector<py::list>& copies,
           }
           continue;
         }
-        PyObject *key = nullptr, *value = nullptr;
-        Py_ssize_t pos = 0;
-        while (PyDict_Next(dict.ptr(), &pos, &key, &value)) {
+        for_each_item(dict.ptr(), [&](PyObject* key, PyObject* value) {
           if (auto found = misplaced(value, expected)) {
             fail(key, kind, *found);
           }
-        }
+        });
       }
     }
   }
@@ -155,14 +141,14 @@ bool all_on_device(py::handle module, const c10::Device& device_in) {
     }
     return true;
   }
+  bool on_device = true;
   for (const auto& e : net.modules) {
     for (const py::object* dict : {&e.params, &e.buffers}) {
-      PyObject *key = nullptr, *value = nullptr;
-      Py_ssize_t pos = 0;
-      while (PyDict_Next(dict->ptr(), &pos, &key, &value)) {
-        if (misplaced(value, device)) {
-          return false;
-        }
+      for_each_item(dict->ptr(), [&](PyObject*, PyObject* value) {
+        on_device = on_device && !misplaced(value, device);
+      });
+      if (!on_device) {
+        return false;
       }
     }
   }

@@ -13,14 +13,8 @@ namespace {
 
 // dict[key] when it is an exact dict, else an empty object.
 py::object exact_dict_entry(py::handle dict, PyObject* key) {
-  PyObject* value = PyDict_GetItemWithError(dict.ptr(), key); // borrowed
-  if (value == nullptr) {
-    if (PyErr_Occurred()) {
-      throw py::error_already_set();
-    }
-    return py::object();
-  }
-  return PyDict_CheckExact(value) ? py::reinterpret_borrow<py::object>(value) : py::object();
+  py::object value = dict_get_ref(dict.ptr(), key);
+  return value && PyDict_CheckExact(value.ptr()) ? value : py::object();
 }
 
 bool same_attribute(py::handle type, const char* name, py::handle expected) {
@@ -77,15 +71,12 @@ bool registration_hooks_installed() {
 
 } // namespace
 
-PyObject* compiled_call(const ModuleEntry& e) {
+py::object compiled_call(const ModuleEntry& e) {
   if (!e.dict || !PyDict_Check(e.dict.ptr())) {
-    return nullptr;
+    return py::object();
   }
-  PyObject* compiled = PyDict_GetItemWithError(e.dict.ptr(), refs().key_compiled_call); // borrowed
-  if (compiled == nullptr && PyErr_Occurred()) {
-    throw py::error_already_set();
-  }
-  return compiled == Py_None ? nullptr : compiled;
+  py::object compiled = dict_get_ref(e.dict.ptr(), refs().key_compiled_call);
+  return compiled.is_none() ? py::object() : compiled;
 }
 
 PyObject* interned(const char* text) {
@@ -157,9 +148,9 @@ const TypeInfo& TypeTable::of(py::handle obj) {
 py::object TypeTable::optimized_module_type() {
   if (!optimized_looked_up_) {
     optimized_looked_up_ = true;
-    PyObject* eval_frame =
-        PyDict_GetItemString(refs().sys_modules.ptr(), "torch._dynamo.eval_frame"); // borrowed
-    if (eval_frame != nullptr) {
+    const py::object eval_frame =
+        dict_get_ref(refs().sys_modules.ptr(), "torch._dynamo.eval_frame");
+    if (eval_frame) {
       optimized_type_ = py::getattr(eval_frame, "OptimizedModule", py::none());
       if (optimized_type_.is_none()) {
         optimized_type_ = py::object();
@@ -173,9 +164,10 @@ py::object TypeTable::optimized_module_type() {
 Network walk_network(py::handle network, TypeTable& types) {
   Network net;
   bool exact = true;
-  std::vector<py::handle> stack{network};
+  // Strong references: another thread may drop a child from its parent meanwhile.
+  std::vector<py::object> stack{py::reinterpret_borrow<py::object>(network)};
   while (exact && !stack.empty()) {
-    py::handle m = stack.back();
+    const py::object m = std::move(stack.back());
     stack.pop_back();
     if (net.index.count(m.ptr())) {
       continue;
@@ -187,14 +179,12 @@ Network walk_network(py::handle network, TypeTable& types) {
     }
     net.index.emplace(m.ptr(), net.modules.size());
     // Children pushed in reverse so that they pop in dict order.
-    std::vector<py::handle> children;
-    PyObject *key = nullptr, *value = nullptr;
-    Py_ssize_t pos = 0;
-    while (PyDict_Next(entry.children.ptr(), &pos, &key, &value)) {
+    std::vector<py::object> children;
+    for_each_item(entry.children.ptr(), [&](PyObject*, PyObject* value) {
       if (value != Py_None) {
-        children.emplace_back(value);
+        children.push_back(py::reinterpret_borrow<py::object>(value));
       }
-    }
+    });
     net.modules.push_back(std::move(entry));
     stack.insert(stack.end(), children.rbegin(), children.rend());
   }
@@ -223,13 +213,11 @@ std::pair<py::list, py::list> parameters_and_buffers(py::handle network, const N
     py::list out;
     std::unordered_map<PyObject*, bool> seen;
     for (const auto& e : net.modules) {
-      PyObject *key = nullptr, *value = nullptr;
-      Py_ssize_t pos = 0;
-      while (PyDict_Next((e.*member).ptr(), &pos, &key, &value)) {
+      for_each_item((e.*member).ptr(), [&](PyObject*, PyObject* value) {
         if (value != Py_None && seen.emplace(value, true).second) {
           out.append(py::handle(value));
         }
-      }
+      });
     }
     return out;
   };
@@ -263,7 +251,7 @@ void prepare(Source& s, py::handle network, const std::vector<c10::Device>& devi
   s.fast = !registration_hooks_installed();
   for (const auto& e : s.net.modules) {
     s.plain_only =
-        s.plain_only && dict_ops(s, e) && !e.type->optimized && compiled_call(e) == nullptr;
+        s.plain_only && dict_ops(s, e) && !e.type->optimized && !compiled_call(e);
     s.keepable = s.keepable && !e.type->slots;
   }
   auto [params, buffers] = parameters_and_buffers(network, s.net);

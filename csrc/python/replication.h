@@ -3,6 +3,7 @@
 // Replication of *Python* nn.Modules (python/torchdp/_C.pyi, DESIGN.md "Replicating Python
 // modules"): replicate_walk.cpp, replicate_build.cpp, replicate_cache.cpp; replicate_py.cpp binds.
 #include "bindings.h"
+#include "py_dict.h"
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
@@ -159,8 +160,8 @@ struct Source {
   bool keepable = true;
 };
 
-// The module.compile() call in a module's instance __dict__ (borrowed), or null.
-PyObject* compiled_call(const ModuleEntry& e);
+// The module.compile() call in a module's instance __dict__, or an empty object.
+py::object compiled_call(const ModuleEntry& e);
 
 inline bool dict_ops(const Source& s, const ModuleEntry& e) {
   return e.plain && (s.fast || e.type->optimized);

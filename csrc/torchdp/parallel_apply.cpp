@@ -3,6 +3,7 @@
 #include <torchdp/errors.h>
 #include <torchdp/parallel_apply.h>
 
+#include <ATen/Parallel.h>
 #include <ATen/ThreadLocalState.h>
 #include <ATen/TracerMode.h>
 #include <ATen/autocast_mode.h>
@@ -110,6 +111,7 @@ class WorkerPool {
 
     void loop() {
       in_worker = true;
+      at::init_num_threads(); // Note [Intra-op threads of workers]
       for (;;) {
         Job next;
         {
@@ -191,6 +193,20 @@ bool needs_guard(c10::Device device) {
   }
 }
 
+// Note [Intra-op threads of workers]
+// A task runs with its caller's intra-op thread count, as torch's own pool threads do. With
+// OpenMP that count is per thread (omp_set_num_threads, MKL's local setting), and a new thread
+// starts with the default team: each replica would run a full team, oversubscribing the cores,
+// and a later torch.set_num_threads would never reach the workers. So a worker starts as torch's
+// threads do (at::init_num_threads) and each task takes the count its caller had at submission
+// through at::set_num_threads when the worker's differs (with the native backend the count is
+// global and never differs).
+void match_intra_op_threads(int caller_threads) {
+  if (at::get_num_threads() != caller_threads) {
+    at::set_num_threads(caller_threads);
+  }
+}
+
 // Note [Interruptible waits]
 // A call's state lives in one heap object that every task keeps alive, so a caller that stops
 // waiting (Ctrl-C in Python while a replica hangs) can return while tasks still run. Their workers
@@ -200,6 +216,7 @@ struct Run {
       : devices(devices.begin(), devices.begin() + static_cast<std::ptrdiff_t>(n)),
         streams(n),
         autocast_cache(at::autocast::is_autocast_cache_enabled()),
+        intra_op_threads(at::get_num_threads()),
         enclosing(detail::enclosing_forward()),
         errors(n),
         fn(std::move(fn)),
@@ -217,6 +234,7 @@ struct Run {
     try {
       at::ThreadLocalStateGuard tls_guard(state);
       at::autocast::set_autocast_cache_enabled(autocast_cache);
+      match_intra_op_threads(intra_op_threads);
       const detail::EnclosingForwardGuard forward(enclosing);
       c10::OptionalStreamGuard stream_guard;
       if (streams[i]) {
@@ -245,6 +263,7 @@ struct Run {
   std::vector<std::optional<c10::Stream>> streams;
   const at::ThreadLocalState state;
   const bool autocast_cache;
+  const int intra_op_threads; // Note [Intra-op threads of workers]
   const uint64_t enclosing; // Note [Nested forwards]
   std::vector<std::exception_ptr> errors;
   std::function<void(size_t)> fn;

@@ -1,5 +1,6 @@
 #include "test_common.h"
 
+#include <ATen/Parallel.h>
 #include <ATen/autocast_mode.h>
 
 #include <sys/wait.h>
@@ -94,6 +95,24 @@ TEST_CASE("grad mode and autocast state are carried into the workers", "[cpu][pa
     CHECK(enabled == std::vector<int>{1, 1, 1});
     CHECK(dtypes == std::vector<at::ScalarType>{at::kBFloat16, at::kBFloat16, at::kBFloat16});
   }
+}
+
+TEST_CASE("tasks run with the caller's intra-op thread count", "[cpu][parallel_apply]") {
+  // Note [Intra-op threads of workers]: with OpenMP the count is per thread, so a worker that
+  // kept its first setting would miss every later change.
+  const auto devices = cpu_devices(3);
+  const int was = at::get_num_threads();
+  std::vector<int> seen(3, 0);
+  std::vector<std::vector<int>> all;
+  for (const int k : {1, 3, 2, 1}) {
+    at::set_num_threads(k);
+    torchdp::parallel_run(3, devices, [&](size_t i) {
+      seen[i] = at::get_num_threads();
+    });
+    all.push_back(seen);
+  }
+  at::set_num_threads(was);
+  CHECK(all == std::vector<std::vector<int>>{{1, 1, 1}, {3, 3, 3}, {2, 2, 2}, {1, 1, 1}});
 }
 
 TEST_CASE("workers are persistent and task 0 runs on the calling thread", "[cpu][parallel_apply]") {

@@ -212,3 +212,22 @@ def test_process_group_bench_times_every_mode(tmp_path):
         assert r["bench"] == "process_group" and r["model"] == "mlp200"
         assert r["step_ms_count"] == 3 and r["step_ms_median"] > 0 and r["speedup_vs_single"] > 0
     assert "torchdp_process_group" in proc.stdout
+
+
+def test_threads_bench_records_cpu_time_threads_and_the_gil(tmp_path):
+    out = tmp_path / "threads.json"
+    proc = _run_script("bench_threads.py", "--smoke", "--settings", "1", "--out", str(out))
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    records = common.load(out)["records"]
+    assert [(r["batch"], r["mode"]) for r in records] == [
+        (b, m) for b in (16, 512) for m in ("single", "torchdp", "torchdp_serial")
+    ]
+    for r in records:
+        assert r["bench"] == "threads" and r["intra_op"] == "1" and r["intra_op_threads"] == 1
+        assert r["step_ms_count"] == 3 and r["step_ms_median"] > 0 and r["cpu_ms_median"] > 0
+        assert r["gil_enabled"] is not r["free_threaded"]  # a free-threaded Python keeps it off
+    import report
+
+    md = tmp_path / "threads.md"
+    report.render([str(out)], str(md), None)
+    assert "## CPU replicas: threads and the GIL" in md.read_text()

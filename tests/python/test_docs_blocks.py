@@ -100,6 +100,7 @@ def test_block_runs(block: Block, tmp_path: pathlib.Path, monkeypatch: pytest.Mo
 
     monkeypatch.chdir(tmp_path)  # blocks may write files (checkpoints) into the current folder
     environ = dict(os.environ)
+    threads = torch.get_num_threads()
     patches, hooks = set(torchdp.patch._active), set(torchdp.hooks._registry)
     # A module of its own in sys.modules, so that pickle finds the classes a block defines.
     name = "docs_block_" + re.sub(r"\W", "_", block.name)
@@ -117,6 +118,7 @@ def test_block_runs(block: Block, tmp_path: pathlib.Path, monkeypatch: pytest.Mo
         gc.collect()  # instance hooks go with their modules
         os.environ.clear()
         os.environ.update(environ)
+        torch.set_num_threads(threads)
         # Put back what a block left behind, so that the other tests run as without it.
         left_patches = set(torchdp.patch._active) - patches
         for handle_id in left_patches:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import importlib
 import pickle
+import sysconfig
 import threading
 import warnings
 import weakref
@@ -22,6 +23,12 @@ from torch.utils.checkpoint import checkpoint
 import torchdp
 from torchdp import _C
 from torchdp.data_parallel import _REPLICA_CACHES
+
+# Note [Kept replicas]: a free-threaded build keeps none (tests/python/test_threads.py checks it).
+pytestmark = pytest.mark.skipif(
+    bool(sysconfig.get_config_var("Py_GIL_DISABLED")),
+    reason="no replicas are kept on a free-threaded Python",
+)
 
 
 class Net(nn.Module):

@@ -41,7 +41,8 @@ TORCH_MODULE(TestMlp);
 
 } // namespace
 
-PYBIND11_MODULE(torchdp_testing, t) {
+// Holds no state of its own: safe without the GIL, as torchdp._C (csrc/python/py_dict.h).
+PYBIND11_MODULE(torchdp_testing, t, pybind11::mod_gil_not_used()) {
   pybind11::module_::import("torch");
   t.attr("has_process_group") = static_cast<bool>(TORCHDP_WITH_C10D);
 #if TORCHDP_WITH_C10D
