@@ -505,3 +505,32 @@ def test_gather_names_the_replicas_and_keys_of_different_dicts():
     outputs = [{"a": torch.ones(1), "b": torch.ones(1)}, {"a": torch.ones(1), "c": torch.ones(1)}]
     with pytest.raises(ValueError, match=r"replica 0 has \['a', 'b'\], replica 1 has \['a', 'c'\]"):
         torchdp.gather(outputs, "cpu")
+
+
+class _TakesPerReplica(torch.nn.Module):
+    """Scales each chunk's rows by its own per-replica value (as the Hugging Face Trainer's
+    num_items_in_batch, one row per device)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 2)
+
+    def forward(self, x, per_replica):
+        assert per_replica.shape == (1, 1)
+        return self.lin(x) / per_replica
+
+
+def test_short_batch_takes_the_per_replica_rows_of_the_replicas_that_run():
+    net = _TakesPerReplica()
+    dp = torchdp.DataParallel(net, devices=cpu_devices(3))
+    x = torch.randn(4, 3)  # chunks of 2 and 2: two of the three replicas run
+    per_replica = torch.tensor([[2.0], [4.0], [8.0]])
+    out = dp(x, per_replica=per_replica)
+    want = torch.cat([net.lin(x[:2]) / 2.0, net.lin(x[2:]) / 4.0])
+    torch.testing.assert_close(out, want)
+    # A tensor that is neither the batch nor one row per device still may not lose rows.
+    with pytest.raises(ValueError, match=r"'per_replica' has 6 but positional argument 0 has 4"):
+        dp(x, per_replica=torch.ones(6, 1))
+    # With as many chunks as devices nothing is dropped and every row is used.
+    out = dp(torch.randn(6, 3), per_replica=per_replica)
+    assert out.shape == (6, 2)
