@@ -60,8 +60,9 @@ class Rebinder {
   Rebinder(const Network& net, const std::vector<py::list>& copies, size_t j, const ModuleEntry& e)
       : net_(net), copies_(copies), j_(j), owner_(e) {}
 
-  // The value over the replicas, or an empty object when `value` refers to no module of the network.
-  py::object rebind(py::handle value, const std::string& where, int depth = 0) {
+  // The value over the replicas, or an empty object when `value` refers to no module of the
+  // network. `where` is the attribute's name, for errors.
+  py::object rebind(py::handle value, py::handle where, int depth = 0) {
     PyObject* v = value.ptr();
     if (depth > kMaxDepth) {
       return py::object();
@@ -98,7 +99,7 @@ class Rebinder {
   }
 
  private:
-  py::object method(py::handle m, const std::string& where, int depth) {
+  py::object method(py::handle m, py::handle where, int depth) {
     py::handle self = PyMethod_GET_SELF(m.ptr());
     py::handle func = PyMethod_GET_FUNCTION(m.ptr());
     py::object new_self = rebind(self, where, depth + 1);
@@ -106,12 +107,13 @@ class Rebinder {
     if (!new_self && !new_func) {
       return py::object();
     }
-    return steal_or_throw(
-        PyMethod_New(new_func ? new_func.ptr() : func.ptr(), new_self ? new_self.ptr() : self.ptr()));
+    PyObject* bound_func = new_func ? new_func.ptr() : func.ptr();
+    PyObject* bound_self = new_self ? new_self.ptr() : self.ptr();
+    return steal_or_throw(PyMethod_New(bound_func, bound_self));
   }
 
   // Each element of a tuple rebound; empty when none changes.
-  py::object tuple_of(py::handle items, const std::string& where, int depth) {
+  py::object tuple_of(py::handle items, py::handle where, int depth) {
     if (!items || !PyTuple_Check(items.ptr())) {
       return py::object();
     }
@@ -134,7 +136,7 @@ class Rebinder {
   }
 
   // A copy of a dict with its values rebound; empty when none changes.
-  py::object dict_of(py::handle dict, const std::string& where, int depth) {
+  py::object dict_of(py::handle dict, py::handle where, int depth) {
     if (!dict || !PyDict_Check(dict.ptr()) || PyDict_Size(dict.ptr()) == 0) {
       return py::object();
     }
@@ -155,7 +157,7 @@ class Rebinder {
   }
 
   // functools.partial (or a subclass): rebuilt through its own pickling state.
-  py::object partial_of(py::handle p, const std::string& where, int depth) {
+  py::object partial_of(py::handle p, py::handle where, int depth) {
     py::tuple reduced = p.attr("__reduce__")();
     py::tuple state = reduced[2];
     if (state.size() != 4) {
@@ -178,7 +180,7 @@ class Rebinder {
 
   // A function whose closure cells, defaults or attributes (__wrapped__) hold the network's
   // modules: the same code over new cells for those values (the other cells stay shared).
-  py::object function(py::handle f, const std::string& where, int depth) {
+  py::object function(py::handle f, py::handle where, int depth) {
     PyObject* fn = f.ptr();
     PyObject* closure = PyFunction_GET_CLOSURE(fn);
     py::object cells;
@@ -212,11 +214,12 @@ class Rebinder {
     if (!cells && !defaults && !kwdefaults && !attributes) {
       return py::object();
     }
+    PyObject* old_defaults = PyFunction_GET_DEFAULTS(fn);
     py::object remade = refs().function_type(
         py::handle(PyFunction_GET_CODE(fn)), py::handle(PyFunction_GET_GLOBALS(fn)),
         f.attr("__name__"),
-        defaults ? defaults : py::reinterpret_borrow<py::object>(
-                                  PyFunction_GET_DEFAULTS(fn) ? PyFunction_GET_DEFAULTS(fn) : Py_None),
+        defaults ? defaults
+                 : py::reinterpret_borrow<py::object>(old_defaults ? old_defaults : Py_None),
         cells ? cells : py::reinterpret_borrow<py::object>(closure ? closure : Py_None));
     for (const char* name : {"__qualname__", "__module__", "__doc__"}) {
       py::setattr(remade, name, f.attr(name));
@@ -234,7 +237,7 @@ class Rebinder {
 
   // A callable object of another kind that holds a module of the network (or a method of one)
   // in its __dict__ cannot be remade: each replica would call into the original module.
-  void refuse_if_bound(py::handle value, const std::string& where) {
+  void refuse_if_bound(py::handle value, py::handle where) {
     const int module = PyObject_IsInstance(value.ptr(), refs().module_type.ptr());
     if (module != 0) {
       if (module < 0) {
@@ -262,7 +265,8 @@ class Rebinder {
       const auto path = path_in(net_.modules.front().module, net_.modules[it->second].module);
       const auto owner = path_in(net_.modules.front().module, owner_.module);
       TORCH_CHECK_TYPE(
-          false, kApi, ": attribute '", where, "' of module '", owner.empty() ? "<root>" : owner,
+          false, kApi, ": attribute '", std::string(py::str(where)), "' of module '",
+          owner.empty() ? "<root>" : owner,
           "' (class ", qualname(owner_.module), ") is a ", qualname(value),
           " object whose attribute '", std::string(py::str(key)), "' holds module '",
           path.empty() ? "<root>" : path,
@@ -284,16 +288,27 @@ class Rebinder {
 // The replica's copy of one of nn.Module's hook containers: `kept` (the last call's copy) refilled
 // when given, else a new one; its values rebound when it has any.
 py::object own_container(py::handle original, py::object kept, Rebinder& rebinder,
-                         const std::string& where) {
-  const bool is_set = PyAnySet_Check(original.ptr());
-  if (!kept || kept.is_none() || Py_TYPE(kept.ptr()) != Py_TYPE(original.ptr())) {
-    kept = is_set ? steal_or_throw(PySet_New(original.ptr()))
-                  : py::type::of(original)(original); // OrderedDict(original): its order kept
-  } else if (PyObject_Size(kept.ptr()) != 0 || PyObject_Size(original.ptr()) != 0) {
+                         py::handle where) {
+  PyObject* o = original.ptr();
+  const bool is_set = PyAnySet_Check(o);
+  const bool empty = PyObject_Size(o) == 0;
+  if (!kept || kept.is_none() || Py_TYPE(kept.ptr()) != Py_TYPE(o)) {
+    PyObject* type = reinterpret_cast<PyObject*>(Py_TYPE(o));
+    // OrderedDict(original) keeps the order; a new empty one is the common case.
+    kept = steal_or_throw(is_set  ? PySet_New(o)
+                          : empty ? PyObject_CallNoArgs(type)
+                                  : PyObject_CallOneArg(type, o));
+    if (empty && PyObject_GC_IsTracked(kept.ptr())) {
+      // As CPython does for an empty dict: nothing in it can be part of a cycle yet, and the
+      // collector need not see the thousands made per call (a dict is tracked again when an
+      // object that may be is stored in it; the set holds buffer names).
+      PyObject_GC_UnTrack(kept.ptr());
+    }
+  } else if (!empty || PyObject_Size(kept.ptr()) != 0) {
     kept.attr("clear")();
     kept.attr("update")(original);
   }
-  if (!is_set && PyDict_Size(kept.ptr()) != 0) {
+  if (!is_set && !empty) {
     py::list items(kept.attr("items")());
     for (auto item : items) {
       auto pair = item.cast<py::tuple>();
@@ -347,7 +362,7 @@ void own_instance_state(const ModuleEntry& e, size_t j, const std::vector<py::li
     }
     py::object previous =
         keeps ? py::reinterpret_borrow<py::object>(PyList_GET_ITEM(kept.ptr(), k)) : py::object();
-    py::object own = own_container(original, previous, rebinder, py::str(r.state_keys[k]));
+    py::object own = own_container(original, previous, rebinder, r.state_keys[k]);
     dict_set(replica_dict.ptr(), key, own.ptr());
     if (keeps && !own.is(previous)) {
       PyList_SetItem(kept.ptr(), k, own.inc_ref().ptr()); // steals the new reference
@@ -361,7 +376,7 @@ void own_instance_state(const ModuleEntry& e, size_t j, const std::vector<py::li
     if (skipped_key(key) || is_state_key(key) || !PyUnicode_Check(key)) {
       continue;
     }
-    py::object changed = rebinder.rebind(value, py::str(key));
+    py::object changed = rebinder.rebind(value, key);
     if (changed) {
       changes.emplace_back(py::reinterpret_borrow<py::object>(key), std::move(changed));
     }
