@@ -56,6 +56,10 @@ py::object new_plain_replica(const ModuleEntry& e, ReplicaDicts& out) {
     *dict = steal_or_throw(PyDict_New());
   }
   out.former = refs().ordered_dict();
+  out.state = py::list(refs().state_keys.size());
+  for (const auto k : c10::irange(refs().state_keys.size())) {
+    PyList_SET_ITEM(out.state.ptr(), k, py::none().release().ptr());
+  }
   fill_plain_dicts(e, out);
   if (PyObject_GenericSetAttr(replica.ptr(), refs().key_dict, out.dict.ptr()) < 0) {
     throw py::error_already_set();
@@ -160,6 +164,9 @@ void wire_with_setattr(const ModuleEntry& e, size_t i, const std::vector<py::lis
       }
     }
   }
+  for (const auto j : c10::irange(n)) {
+    own_instance_state(e, j, copies, net, instance_dict(copies[j][i]), py::handle());
+  }
 }
 
 // Note [Replicating compiled modules]
@@ -251,6 +258,7 @@ void wire_plain(const ModuleEntry& e, size_t j, const std::vector<py::list>& cop
     }
     dict_set(d.buffers.ptr(), key, copy.ptr());
   });
+  own_instance_state(e, j, copies, net, d.dict, d.state);
 }
 
 // The dev0 outputs of a detached broadcast are the originals.

@@ -24,6 +24,10 @@ inline constexpr const char* kApi = "torchdp.replicate";
 
 PyObject* interned(const char* text);
 
+// The names of the hook containers nn.Module.__init__ gives every instance (_forward_hooks, ...,
+// _non_persistent_buffers_set), read from a new module (Note [Replicas own their instance state]).
+std::vector<py::object> module_state_keys(py::handle module_type);
+
 // Python objects used on every call, looked up once and never destroyed (at exit that would crash).
 struct PythonRefs {
   PyObject* key_parameters = interned("_parameters");
@@ -45,6 +49,9 @@ struct PythonRefs {
   py::object jit_state = py::module_::import("torch.jit._state");
   py::object ordered_dict = py::module_::import("collections").attr("OrderedDict");
   py::object empty_like = py::module_::import("torch").attr("empty_like");
+  py::object partial_type = py::module_::import("functools").attr("partial");
+  py::object function_type = py::module_::import("types").attr("FunctionType");
+  std::vector<py::object> state_keys = module_state_keys(module_type);
 };
 
 const PythonRefs& refs();
@@ -109,6 +116,9 @@ const at::Tensor& tensor_of(py::handle value, const char* kind);
 // The dictionaries of a replica built with dictionary operations.
 struct ReplicaDicts {
   py::object dict, params, buffers, modules, former;
+  // The replica's own hook containers, one per refs().state_keys entry (None until made), kept
+  // with a kept replica (Note [Replicas own their instance state]).
+  py::object state;
 };
 
 // The copies of the network's parameters and buffers, per device, as Python objects.
@@ -184,6 +194,12 @@ void fill_plain_dicts(const ModuleEntry& e, const ReplicaDicts& d);
 void wire_plain(const ModuleEntry& e, size_t j, const std::vector<py::list>& copies,
                 const std::vector<std::vector<ReplicaDicts>>& dicts, size_t i, const Network& net,
                 const TensorCopies& tensors, bool may_hold_originals);
+
+// Gives replica copies[j][i] (instance __dict__ `replica_dict`) its own hook containers, reusing
+// those in the list `kept` when given, and rebinds the values bound to the network's modules to
+// the replicas of device j (Note [Replicas own their instance state], replicate_own_state.cpp).
+void own_instance_state(const ModuleEntry& e, size_t j, const std::vector<py::list>& copies,
+                        const Network& net, py::handle replica_dict, py::handle kept);
 
 // Binds torchdp._C.ReplicaCache (replicate_cache.cpp).
 void init_replica_cache(py::module_& m);

@@ -45,15 +45,30 @@ size_t chunk_count(int64_t size, size_t n) {
 }
 } // namespace
 
+// Note [Per-replica rows]
+// A tensor of exactly one row per device along dim is a value per replica (the Hugging Face
+// Trainer's num_items_in_batch, expanded to (n_gpu, 1)), not rows of the batch. When the batch
+// splits into fewer chunks than devices, the replicas that run take their rows and the rows of the
+// replicas that do not run are left out, as nn.DataParallel's scatter does. Any other tensor that
+// would lose rows is refused.
 void check_chunks(const std::vector<std::pair<std::string, int64_t>>& sizes, size_t chunks,
                   size_t n, int64_t dim, const char* api) {
   if (chunks >= n || sizes.empty()) {
     return;
   }
+  std::vector<std::pair<std::string, int64_t>> batch;
+  for (const auto& s : sizes) {
+    if (s.second != static_cast<int64_t>(n)) {
+      batch.push_back(s);
+    }
+  }
+  if (batch.empty()) {
+    return;
+  }
   const auto fewer = [n](const auto& a, const auto& b) {
     return chunk_count(a.second, n) < chunk_count(b.second, n);
   };
-  const auto& longest = *std::max_element(sizes.begin(), sizes.end(), fewer);
+  const auto& longest = *std::max_element(batch.begin(), batch.end(), fewer);
   const auto& shortest = *std::min_element(sizes.begin(), sizes.end(), fewer);
   TORCH_CHECK_VALUE(chunk_count(longest.second, n) <= chunks, api,
                     ": the input tensors have different sizes along dim ", dim, ": ", longest.first,
@@ -61,8 +76,9 @@ void check_chunks(const std::vector<std::pair<std::string, int64_t>>& sizes, siz
                     ", which splits into only ", chunk_count(shortest.second, n), " chunk(s) for ",
                     n,
                     " devices; the extra rows of the longer tensors would be dropped. Give every "
-                    "tensor the batch size along that dim, or pass the shorter one in another "
-                    "form (a buffer of the module, or a Python list)");
+                    "tensor the batch size along that dim (or exactly one row per device, for a "
+                    "value per replica), or pass the shorter one in another form (a buffer of the "
+                    "module, or a Python list)");
 }
 
 std::string misplaced_module_message(c10::Device target, const std::string& kind,

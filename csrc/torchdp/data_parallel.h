@@ -166,7 +166,8 @@ void check_cuda_graphs(const std::vector<c10::Device>& devices, const char* api)
 
 /// Refuses a split that drops rows: `chunks` (fewer than `n` devices) came from the shortest of
 /// the tensors, named with their sizes along `dim` in `sizes`, while a longer one needs more
-/// (c10::ValueError naming both). A batch smaller than the devices passes: fewer replicas run.
+/// (c10::ValueError naming both). A batch smaller than the devices passes: fewer replicas run,
+/// and so does a tensor of exactly `n` rows, a value per replica (Note [Per-replica rows]).
 void check_chunks(const std::vector<std::pair<std::string, int64_t>>& sizes, size_t chunks,
                   size_t n, int64_t dim, const char* api);
 

@@ -112,6 +112,16 @@ def _tensor_sizes(obj: Any, path: str, dim: int, out: list[tuple[str, int]]) -> 
             _tensor_sizes(child, path + label, dim, out)
 
 
+def _padding(chunks: Sequence[Any], side: type) -> int:
+    """How many of scatter_kwargs's chunks at the end are its padding (``()`` or ``{}``)."""
+    count = 0
+    for chunk in reversed(chunks):
+        if not (isinstance(chunk, side) and len(chunk) == 0):
+            break
+        count += 1
+    return count
+
+
 def _check_chunks(
     inputs: tuple[Any, ...],
     kwargs: dict[str, Any] | None,
@@ -120,9 +130,13 @@ def _check_chunks(
     n: int,
     dim: int,
     api: str,
-) -> None:
+) -> tuple[Sequence[Any], Sequence[Any]]:
     """PyTorch's parallel_apply assertion for keyword chunks that outnumber the positional ones,
-    with its cause; then _C.check_chunks: a short tensor must not make scatter drop rows."""
+    with its cause; then _C.check_chunks: a short tensor must not make scatter drop rows.
+
+    Returns the chunks to run: where one side split into more chunks than the other only through
+    tensors of one row per device (Note [Per-replica rows]), scatter_kwargs padded the other side
+    with empty chunks; the replicas that would get them do not run."""
     if len(chunk_kwargs) != len(chunks):
         raise AssertionError(
             f"The number of modules {len(chunks)} is not equal to the number of "
@@ -131,14 +145,19 @@ def _check_chunks(
             f"into {len(chunks)}; give keyword tensors the same batch size as the "
             "positional inputs along that dim"
         )
+    if inputs and kwargs:
+        padding = max(_padding(chunks, tuple), _padding(chunk_kwargs, dict))
+        if padding:
+            chunks, chunk_kwargs = chunks[:-padding], chunk_kwargs[:-padding]
     if len(chunks) >= n:
-        return
+        return chunks, chunk_kwargs
     sizes: list[tuple[str, int]] = []
     for i, item in enumerate(inputs):
         _tensor_sizes(item, f"positional argument {i}", dim, sizes)
     for key, item in (kwargs or {}).items():
         _tensor_sizes(item, f"keyword argument {key!r}", dim, sizes)
     _C.check_chunks(sizes, len(chunks), n, dim, api)
+    return chunks, chunk_kwargs
 
 
 def _indices(
@@ -468,7 +487,9 @@ class DataParallel(_TorchDataParallel[T]):
                 return watch(self._one_output(outputs[0]) if n == 1 else self._gathered(outputs))
             if n == 1:
                 return watch(self._one_output(self.module(*chunks[0], **chunk_kwargs[0])))
-            _check_chunks(inputs, kwargs, chunks, chunk_kwargs, n, self.dim, _API)
+            chunks, chunk_kwargs = _check_chunks(
+                inputs, kwargs, chunks, chunk_kwargs, n, self.dim, _API
+            )
             return watch(
                 _run_replicated(
                     self.module,
@@ -682,7 +703,9 @@ def data_parallel(
     chunks, chunk_kwargs = _nonempty(*scatter_kwargs(inputs, module_kwargs, used_ids, dim))
     if len(used_ids) == 1:
         return module(*chunks[0], **chunk_kwargs[0])
-    _check_chunks(inputs, module_kwargs, chunks, chunk_kwargs, len(used_ids), dim, api)
+    chunks, chunk_kwargs = _check_chunks(
+        inputs, module_kwargs, chunks, chunk_kwargs, len(used_ids), dim, api
+    )
     used = used_ids[: len(chunks)]
     cache = _weak_entry(_FUNCTIONAL_CACHES, module, _C.ReplicaCache) if cache_replicas else None
 

@@ -64,6 +64,72 @@ def _rebuild_dict(like: dict[Any, Any], pairs: Any, api: str) -> dict[Any, Any]:
     return rebuilt
 
 
+# Note [Objects split by their attributes]
+# Some objects carry per-sample state in their attributes rather than in a container: the KV caches
+# of Hugging Face transformers (a Cache holding a list of layers, each holding keys and values of
+# shape [batch, heads, seq, dim] next to per-layer scalars such as the sliding window, the tokens
+# seen, a 0-dim window tensor). PyTorch passes them whole to every replica and gathers them through
+# their iteration, which stacks the per-layer scalars into vectors. torchdp splits and joins them
+# attribute by attribute: tensors with a batch dimension split and concatenate along dim; 0-dim
+# tensors are per-object scalars, copied to each replica and kept as one by gather when every
+# replica holds the same; other values follow scatter's and gather's rules (containers walked,
+# equal constants kept); a torch.device attribute follows the object's tensors. The classes are
+# found by name in the class's MRO, so torchdp needs no import of theirs.
+SPLIT_BY_ATTRIBUTES = frozenset(
+    {
+        "transformers.cache_utils.Cache",
+        "transformers.cache_utils.CacheLayerMixin",
+        "transformers.cache_utils.LinearAttentionCacheLayerMixin",
+    }
+)
+_by_attributes_cache: dict[type, bool] = {}
+
+
+def _splits_by_attributes(obj: Any) -> bool:
+    cls = type(obj)
+    known = _by_attributes_cache.get(cls)
+    if known is None:
+        known = hasattr(obj, "__dict__") and any(
+            f"{c.__module__}.{c.__qualname__}" in SPLIT_BY_ATTRIBUTES for c in cls.__mro__
+        )
+        _by_attributes_cache[cls] = known
+    return known
+
+
+def _is_scalar_tensor(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() == 0
+
+
+def _object_parts(obj: Any) -> tuple[list[str], list[Any], Callable[[list[Any]], Any]]:
+    """Scatter's parts of an object split by its attributes (Note [Objects split by their
+    attributes]): the attributes that split; the rebuild copies the object and sets them."""
+    attributes = dict(vars(obj))
+    names = [
+        k
+        for k, v in attributes.items()
+        if not _is_scalar_tensor(v) and (isinstance(v, torch.Tensor) or _parts(v) is not None)
+    ]
+
+    def rebuild(children: list[Any]) -> Any:
+        new = copy.copy(obj)
+        state = vars(new)
+        for key, value in attributes.items():
+            if isinstance(value, (dict, list, set)):  # an empty one: each replica its own
+                state[key] = copy.copy(value)
+        state.update(zip(names, children, strict=True))
+        device = next(
+            (c.device for c in children if isinstance(c, torch.Tensor) and c.dim() > 0), None
+        )
+        for key, value in attributes.items():
+            if _is_scalar_tensor(value):  # each replica its own (in-place updates)
+                state[key] = value.to(device or value.device, copy=True)
+            elif isinstance(value, torch.device) and device is not None:
+                state[key] = device
+        return new
+
+    return [f".{k}" for k in names], [attributes[k] for k in names], rebuild
+
+
 def _parts(
     obj: Any, labelled: bool = False
 ) -> tuple[list[str] | None, list[Any], Callable[[list[Any]], Any]] | None:
@@ -77,6 +143,9 @@ def _parts(
         if _is_namedtuple(obj):
             return labels, list(obj), lambda c: type(obj)(*c)
         return labels, list(obj), tuple if isinstance(obj, tuple) else list
+    if _splits_by_attributes(obj):
+        labels, children, rebuild = _object_parts(obj)
+        return (labels if labelled else None), children, rebuild
     if isinstance(obj, dict):
         if not obj:
             return None
@@ -108,6 +177,8 @@ def _scatter_map(obj: Any, devices: list[torch.device], dim: int) -> Any:
         # None, numbers, strings, empty containers, other objects: by reference.
         return [obj for _ in devices]
     _, children, rebuild = parts
+    if not children:  # an object split by its attributes that holds no batch yet: one copy each
+        return [rebuild([]) for _ in devices]
     split = [_scatter_map(child, devices, dim) for child in children]
     return [rebuild(list(chunk)) for chunk in zip(*split, strict=False)]
 
@@ -240,6 +311,79 @@ def _mismatch(outputs: Sequence[Any], i: int) -> TypeError:
     )
 
 
+class _ObjectGatherError(TypeError):
+    """Gather's refusal of objects split by their attributes, naming the outermost object and
+    the path of attributes to the value that cannot be joined."""
+
+    def __init__(self, cls: type, key: str, reason: str, dim: int) -> None:
+        super().__init__()
+        self.cls, self.path, self.reason, self.dim = cls, [key], reason, dim
+
+    def __str__(self) -> str:
+        return (
+            f"torchdp.gather: cannot join the replicas' {self.cls.__module__}."
+            f"{self.cls.__qualname__} objects along dim {self.dim}: its attribute "
+            f"{'.'.join(self.path)!r} {self.reason}. For a transformers cache, call the model "
+            "with use_cache=False (or use torchdp.DataParallel with gather_output=False to get "
+            "the per-replica outputs as they are)"
+        )
+
+
+def _gather_object(outputs: Sequence[Any], target: _GatherTarget, dim: int) -> Any:
+    """The replicas' objects split by their attributes joined into one (Note [Objects split by
+    their attributes])."""
+    out = outputs[0]
+    cls = type(out)
+    states = [vars(o) for o in outputs]
+    for i, (o, state) in enumerate(zip(outputs, states, strict=True)):
+        if type(o) is not cls or state.keys() != states[0].keys():
+            raise TypeError(
+                f"torchdp.gather: replica 0 returned a {cls.__qualname__} and replica {i} a "
+                f"{type(o).__qualname__} with other attributes; every replica must return the "
+                "same structure"
+            )
+    new = copy.copy(out)
+    joined = vars(new)
+    has_tensors = False
+    for key in states[0]:
+        values = [state[key] for state in states]
+        first = values[0]
+        if all(v is first for v in values) and not isinstance(first, torch.Tensor):
+            continue  # one object for all (a class, a shared setting): kept as it is
+        if isinstance(first, torch.device):
+            continue  # follows the tensors, below
+        if _is_scalar_tensor(first) or isinstance(first, GATHER_CONSTANTS):
+            # A per-object scalar (tokens seen, a window): one value, the same in every replica.
+            same = all(
+                type(v) is type(first)
+                and (
+                    v.dtype == first.dtype and v.item() == first.item()
+                    if _is_scalar_tensor(v)
+                    else _same_constant(v, first)
+                )
+                for v in values
+            )
+            if not same:
+                shown = [v.item() if _is_scalar_tensor(v) else v for v in values]
+                raise _ObjectGatherError(cls, key, f"differs between replicas ({shown})", dim)
+            joined[key] = first.to(target.device) if _is_scalar_tensor(first) else first
+            continue
+        try:
+            joined[key] = _gather_map(values, target, dim)
+        except _ObjectGatherError as e:
+            e.cls = cls
+            e.path.insert(0, key)
+            raise
+        except (TypeError, ValueError) as e:
+            raise _ObjectGatherError(cls, key, f"cannot be joined: {e}", dim) from e
+        has_tensors = has_tensors or isinstance(first, torch.Tensor)
+    for key, first in states[0].items():
+        if isinstance(first, torch.device):
+            same = all(state[key] == first for state in states)
+            joined[key] = target.device if has_tensors or not same else first
+    return new
+
+
 def _gather_map(outputs: Sequence[Any], target: _GatherTarget, dim: int) -> Any:
     out = outputs[0]
     if isinstance(out, torch.Tensor):
@@ -264,6 +408,8 @@ def _gather_map(outputs: Sequence[Any], target: _GatherTarget, dim: int) -> Any:
             "return tensors instead (e.g. torch.tensor(value)), or use torchdp.DataParallel "
             "with gather_output=False to get the per-replica outputs as they are"
         )
+    if _splits_by_attributes(out):
+        return _gather_object(outputs, target, dim)
     node = _pytree.SUPPORTED_NODES.get(type(out))
     if node is not None and not isinstance(out, (dict, list, tuple)):
         # A pytree-registered type: its children are gathered and the object rebuilt from them.

@@ -166,6 +166,21 @@ TEST_CASE("a tensor shorter than the others is refused, not cut", "[cpu][data_pa
   CHECK(torch::allclose(dp->forward(a, b), module->forward(a, b)));
 }
 
+TEST_CASE("a tensor of one row per device gives the replicas that run their rows",
+          "[cpu][data_parallel]") {
+  TwoInputs module;
+  torchdp::DataParallel dp(module, on(cpu_devices(3)));
+  // Note [Per-replica rows]: 4 rows split into 2 chunks on 3 devices; y holds a row per device.
+  const auto x = torch::randn({4, 3});
+  const auto y = torch::randn({3, 3});
+  const auto want = torch::cat({module->forward(x.slice(0, 0, 2), y.slice(0, 0, 1)),
+                                module->forward(x.slice(0, 2, 4), y.slice(0, 1, 2))});
+  CHECK(torch::allclose(dp->forward(x, y), want, 1e-5, 1e-6));
+  // Rows that are neither the batch's nor one per device are still not cut.
+  TORCHDP_CHECK_THROWS_WITH(dp->forward(x, torch::randn({6, 3})), "torchdp::DataParallel",
+                            "forward argument 1 has 6 but forward argument 0 has 4");
+}
+
 TEST_CASE("the masked layer needs its post-replicate hook on a second device",
           "[cpu][data_parallel][hooks]") {
   torch::manual_seed(12);

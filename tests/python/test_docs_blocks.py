@@ -9,6 +9,8 @@ block's opening fence (GitHub and the Sphinx site do not show it) changes that:
                                    (and what it continues) runs first, in the same namespace
     <!-- docs-test: gpus=2 -->     needs that many CUDA devices (and a CUDA build of torchdp):
                                    skipped without them, failed when TORCHDP_REQUIRE_CUDA=1
+    <!-- docs-test: needs=transformers -->   imports that package: skipped where it is not
+                                   installed (the ecosystem's packages are optional)
 
 Options combine: ``<!-- docs-test: continue, gpus=2 -->``. A block must leave no global state
 behind: the test fails a block that leaves torchdp.patch_torch() applied, a post-replicate hook
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import importlib.util
 import os
 import pathlib
 import re
@@ -39,7 +42,7 @@ _BLOCK = re.compile(
     r"(?:^<!--\s*docs-test:(?P<options>[^>]*?)-->\n)?^```python\n(?P<code>.*?)^```\s*$",
     re.M | re.S,
 )
-_OPTION = re.compile(r"^(continue|gpus=[1-9])$")
+_OPTION = re.compile(r"^(continue|gpus=[1-9]|needs=[A-Za-z_][\w.]*)$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +52,7 @@ class Block:
     code: str
     previous: Block | None  # the block it continues
     gpus: int
+    needs: tuple[str, ...] = ()  # packages it imports that may be absent
 
     @property
     def name(self) -> str:
@@ -73,7 +77,8 @@ def collect() -> list[Block]:
                 assert last is not None, f"{page}:{line}: 'continue' on a page's first block"
             gpus = max([int(o[5:]) for o in options if o.startswith("gpus=")], default=0)
             previous = last if "continue" in options else None
-            last = Block(page, line, match.group("code"), previous, gpus)
+            needs = tuple(o[6:] for o in options if o.startswith("needs="))
+            last = Block(page, line, match.group("code"), previous, gpus, needs)
             blocks.append(last)
     return blocks
 
@@ -82,6 +87,9 @@ BLOCKS = collect()
 
 
 def _marks(block: Block) -> list[pytest.MarkDecorator]:
+    missing = [n for b in block.chain() for n in b.needs if importlib.util.find_spec(n) is None]
+    if missing:
+        return [pytest.mark.skip(reason=f"needs {', '.join(missing)}, not installed")]
     gpus = max(b.gpus for b in block.chain())
     if gpus >= 2:
         return [pytest.mark.needs_multi_gpu]

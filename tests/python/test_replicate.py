@@ -3,7 +3,9 @@ __setattr__ repair (the cplxmodule case), and the __data_parallel_replicate__ pr
 
 from __future__ import annotations
 
+import functools
 import itertools
+import types
 import warnings
 
 import pytest
@@ -500,8 +502,10 @@ def test_fast_replicas_share_nothing_mutable_with_the_original():
         assert replica.__dict__ is not original.__dict__
         for key in ("_parameters", "_buffers", "_modules"):
             assert getattr(replica, key) is not getattr(original, key)
-        # Hook dictionaries are shared, as with _replicate_for_data_parallel.
-        assert replica._forward_hooks is original._forward_hooks
+        # Hook dictionaries are the replica's own copies (Note [Replicas own their instance
+        # state]): what a replica's forward registers stays out of the original.
+        assert replica._forward_hooks is not original._forward_hooks
+        assert replica._forward_hooks == original._forward_hooks
     r1.d.scale = 7.0
     r1.d._buffers["steps"] = torch.ones((), dtype=torch.long)
     assert net.d.scale == 2.5 and net.d.steps.item() == 0
@@ -596,3 +600,101 @@ def test_a_root_whose_parameters_lists_fewer_tensors():
     odd.backbone._parameters = _ParamDict(odd.backbone._parameters)
     with pytest.raises(RuntimeError, match=r"registers a parameter that the root module's "):
         torchdp.replicate(odd, cpu_devices(2))
+
+
+class _CallsThrough(nn.Module):
+    """Calls ``self.fn(x)``: an instance attribute holding a callable bound to a module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.fn(x)
+
+
+def _run_lin(module, x):
+    return module.lin(x)
+
+
+def _bindings(net):
+    """The ways code stores a callable bound to one of the network's modules."""
+    closure_target = net
+
+    def closure(x):
+        return closure_target.lin(x)
+
+    return {
+        "method": types.MethodType(_run_lin, net),
+        "partial": functools.partial(_run_lin, net),
+        "partial-of-method": functools.partial(types.MethodType(_run_lin, net)),
+        "closure": closure,
+        "default": lambda x, m=net: m.lin(x),
+        "bound-child-method": net.lin.__call__,
+    }
+
+
+@pytest.mark.parametrize("kind", list(_bindings(_CallsThrough())))
+def test_callables_bound_to_the_network_are_rebound_to_each_replica(kind):
+    net = _CallsThrough()
+    net.fn = _bindings(net)[kind]
+    seen = []
+    net.lin.register_forward_hook(lambda module, args, out: seen.append(module))
+    x = torch.randn(4, 3)
+    want = net.lin(x)
+    replicas = torchdp.replicate(net, cpu_devices(2))
+    for r in replicas:
+        torch.testing.assert_close(r(x), want)
+    # Each replica ran its own child (the forward hook saw it), never the original's.
+    assert seen[0] is net.lin
+    assert seen[1:] == [r.lin for r in replicas]
+    assert replicas[0].fn is not net.fn and replicas[1].fn is not replicas[0].fn
+    # The user's callable still calls the user's module.
+    seen.clear()
+    net.fn(x)
+    assert seen == [net.lin]
+    out = torchdp.DataParallel(net, devices=cpu_devices(2))(x)
+    out.sum().backward()
+    torch.testing.assert_close(out, net.lin(x))
+    assert net.lin.weight.grad is not None
+
+
+class _Caller:
+    """A callable object holding a module: torchdp cannot know how to remake it."""
+
+    def __init__(self, module):
+        self.module = module
+
+    def __call__(self, x):
+        return self.module.lin(x)
+
+
+def test_a_callable_object_holding_the_network_is_refused():
+    net = _CallsThrough()
+    net.fn = _Caller(net)
+    with pytest.raises(
+        TypeError,
+        match=r"attribute 'fn' of module '<root>'.*_Caller object "
+        r"whose attribute 'module' holds module '<root>'.*functools.partial",
+    ):
+        torchdp.replicate(net, cpu_devices(2))
+    # Nothing of the user's module changed.
+    assert net.fn.module is net and list(net.__dict__["_forward_hooks"]) == []
+
+
+def test_hooks_a_forward_registers_stay_in_the_replica():
+    class RegistersOnce(nn.Linear):
+        def forward(self, x):
+            if not getattr(self, "hooked", False):
+                self.register_forward_hook(lambda m, a, out: out * 2)
+                self.register_buffer("extra", torch.zeros(1), persistent=False)
+                self.hooked = True
+            return super().forward(x)
+
+    net = nn.Sequential(RegistersOnce(3, 3))
+    dp = torchdp.DataParallel(net, devices=cpu_devices(3))
+    x = torch.randn(6, 3)
+    for _ in range(3):
+        torch.testing.assert_close(dp(x), nn.functional.linear(x, net[0].weight, net[0].bias))
+    assert len(net[0]._forward_hooks) == 0 and not hasattr(net[0], "hooked")
+    assert "extra" not in net[0]._buffers and not net[0]._non_persistent_buffers_set

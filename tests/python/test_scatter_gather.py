@@ -505,3 +505,73 @@ def test_gather_names_the_replicas_and_keys_of_different_dicts():
     outputs = [{"a": torch.ones(1), "b": torch.ones(1)}, {"a": torch.ones(1), "c": torch.ones(1)}]
     with pytest.raises(ValueError, match=r"replica 0 has \['a', 'b'\], replica 1 has \['a', 'c'\]"):
         torchdp.gather(outputs, "cpu")
+
+
+class _TakesPerReplica(torch.nn.Module):
+    """Scales each chunk's rows by its own per-replica value (as the Hugging Face Trainer's
+    num_items_in_batch, one row per device)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 2)
+
+    def forward(self, x, per_replica):
+        assert per_replica.shape == (1, 1)
+        return self.lin(x) / per_replica
+
+
+def test_short_batch_takes_the_per_replica_rows_of_the_replicas_that_run():
+    net = _TakesPerReplica()
+    dp = torchdp.DataParallel(net, devices=cpu_devices(3))
+    x = torch.randn(4, 3)  # chunks of 2 and 2: two of the three replicas run
+    per_replica = torch.tensor([[2.0], [4.0], [8.0]])
+    out = dp(x, per_replica=per_replica)
+    want = torch.cat([net.lin(x[:2]) / 2.0, net.lin(x[2:]) / 4.0])
+    torch.testing.assert_close(out, want)
+    # A tensor that is neither the batch nor one row per device still may not lose rows.
+    with pytest.raises(ValueError, match=r"'per_replica' has 6 but positional argument 0 has 4"):
+        dp(x, per_replica=torch.ones(6, 1))
+    # With as many chunks as devices nothing is dropped and every row is used.
+    out = dp(torch.randn(6, 3), per_replica=per_replica)
+    assert out.shape == (6, 2)
+
+
+class _LayerBase:
+    """Stands for transformers.cache_utils.CacheLayerMixin: matched by name, not imported."""
+
+
+_LayerBase.__module__, _LayerBase.__qualname__ = "transformers.cache_utils", "CacheLayerMixin"
+
+
+class _Layer(_LayerBase):
+    def __init__(self, rows: int, seen: int) -> None:
+        self.keys = torch.randn(rows, 2, seen, 3)
+        self.seen = seen
+        self.window = torch.tensor(4)
+        self.device = torch.device("cpu")
+        self.flags: dict[int, bool] = {}
+
+
+def test_objects_split_by_their_attributes():
+    layer = _Layer(5, seen=6)
+    chunks = torchdp.scatter((layer,), cpu_devices(3))
+    parts = [c[0] for c in chunks]
+    assert [p.keys.shape[0] for p in parts] == [2, 2, 1] and all(type(p) is _Layer for p in parts)
+    torch.testing.assert_close(torch.cat([p.keys for p in parts]), layer.keys)
+    for p in parts:  # per-object scalars: each replica its own copy, never the original's
+        assert p.seen == 6 and p.window.item() == 4 and p.window is not layer.window
+        assert p.flags == {} and p.flags is not layer.flags
+    assert layer.keys.shape[0] == 5  # the input is left as it was
+    for p in parts:
+        p.keys = torch.cat([p.keys, torch.ones(p.keys.shape[0], 2, 1, 3)], dim=2)
+        p.seen += 1
+    joined = torchdp.gather(parts, "cpu")
+    assert type(joined) is _Layer and joined.seen == 7 and joined.window.dim() == 0
+    assert joined.keys.shape == (5, 2, 7, 3) and joined.device == torch.device("cpu")
+    parts[2].seen = 3
+    with pytest.raises(
+        TypeError,
+        match=r"_Layer objects along dim 0: its attribute 'seen' "
+        r"differs between replicas \(\[7, 7, 3\]\).*use_cache=False",
+    ):
+        torchdp.gather(parts, "cpu")
