@@ -186,29 +186,28 @@ def test_profile_step_rejects_bad_device_ids():
     assert proc.returncode == 2 and "replaces --gpus and --smoke" in proc.stderr
 
 
-def test_process_group_bench_times_every_mode(tmp_path):
+def test_process_modes_time_every_mode(tmp_path):
+    """DDP, torchdp's process_group option and DDP around torchdp, one process per CPU device."""
     out = tmp_path / "pg.json"
+    modes = ["single", "ddp", "torchdp_process_group", "ddp_over_torchdp"]
     proc = _run_script(
-        "bench_process_group.py",
+        "bench_train_step.py",
         "--smoke",
-        "--device",
-        "cpu",
-        "--procs",
-        "2",
         "--models",
         "mlp200",
+        "--dtypes",
+        "fp32",
+        "--modes",
+        ",".join(modes),
+        "--steps",
+        "3",
         "--out",
         str(out),
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     records = common.load(out)["records"]
-    assert [r["mode"] for r in records] == [
-        "single",
-        "ddp",
-        "torchdp_process_group",
-        "ddp_over_torchdp",
-    ]
+    assert [r["mode"] for r in records] == modes
     for r in records:
-        assert r["bench"] == "process_group" and r["model"] == "mlp200"
+        assert r["bench"] == "train_step" and r["model"] == "mlp200" and "error" not in r
         assert r["step_ms_count"] == 3 and r["step_ms_median"] > 0 and r["speedup_vs_single"] > 0
     assert "torchdp_process_group" in proc.stdout
