@@ -1,22 +1,17 @@
 """Replicate time: ``torchdp.replicate`` against ``torch.nn.parallel.replicate``.
 
-Both replicate differentiably (``detach=False``) onto every GPU: models.py's models (records
-``replicate``), and a curve over the module count (records ``replicate_curve``, model ``seq{k}``:
-``nn.Sequential`` of k ``Linear(16, 16)``). Every record carries ``modules`` =
-len(list(net.modules())). The models' records also carry ``broadcast_ms_median``, the time of
-broadcasting the parameters and buffers alone (``torchdp._C.broadcast_coalesced``: the transfer
-any replicate pays), and ``bound_vs_torch`` = torch's replicate time / that time, the largest
-speedup over torch that a replicate could reach on this machine. Every timing synchronises all
-devices around each call; a failing configuration becomes a record with an ``error``.
+Both replicate differentiably onto every GPU: models.py's models (records ``replicate``) and a
+curve over the module count (``replicate_curve``, model ``seq{k}``: k ``Linear(16, 16)``), each
+record with ``modules``. A model's records also carry ``broadcast_ms_median``, broadcasting its
+tensors alone (the transfer any replicate pays), and ``bound_vs_torch`` = torch's time / that.
+``--smoke``: tiny models onto ``[cpu, cpu]``, torch's replicate (CUDA only) recorded as skipped.
 
     python benchmarks/bench_replicate.py --out results/replicate.json [--gpus N] [--curve 10,100]
-
-``--smoke``: tiny models onto ``[cpu, cpu]``; torch's replicate (it needs CUDA) is recorded as
-skipped.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from collections.abc import Callable
@@ -50,17 +45,6 @@ def main(argv: list[str] | None = None) -> int:
     results = common.Results("replicate")
     common.progress(f"replicate onto {where}: models {names}, curve {curve}, steps {run.steps}")
 
-    def broadcast_floor(net: nn.Module) -> float | None:
-        """Median ms of broadcasting `net`'s parameters and buffers to the devices."""
-        tensors = [t.detach() for t in (*net.parameters(), *net.buffers())]
-        try:
-            call = lambda: torchdp._C.broadcast_coalesced(tensors, devices)
-            times = common.time_steps(call, devices, run.warmup, run.steps)
-        except Exception as e:  # noqa: BLE001 - the replicate records still come
-            common.progress(f"broadcast floor: FAILED: {common.error_text(e)}")
-            return None
-        return common.summarize(times)["step_ms_median"]
-
     def measure(bench: str, name: str, make: Callable[[], nn.Module]) -> None:
         """Times both modes on the network `make` builds, and adds their records."""
         base: dict[str, Any] = {"bench": bench, "model": name, "gpus": len(devices)}
@@ -75,7 +59,12 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:  # noqa: BLE001
             problem = {"error": f"building the model failed: {common.error_text(e)}"}
         if net is not None and bench == "replicate" and len(devices) > 1:
-            floor = broadcast_floor(net)
+            # The parameters and buffers broadcast alone: the transfer every replicate pays.
+            tensors = [t.detach() for t in (*net.parameters(), *net.buffers())]
+            call = lambda: torchdp._C.broadcast_coalesced(tensors, devices)
+            with contextlib.suppress(RuntimeError):  # the replicate records still come
+                times_ms = common.time_steps(call, devices, run.warmup, run.steps)
+                floor = common.summarize(times_ms)["step_ms_median"]
         times: dict[str, float] = {}
         for mode in MODES:
             rec = {**base, "mode": mode, "replicate_ms_median": None}

@@ -1,31 +1,25 @@
 """Training steps side by side: one GPU, torch.nn.DataParallel, torchdp.DataParallel and DDP.
 
 One step is zero_grad, forward, loss, backward and an SGD step, for the training-step models of
-models.py (ResNet-50, a 12-layer TransformerEncoder, a 200-layer MLP), in fp32 and under bf16
-autocast. Every mode starts from the same weights and inputs. Modes (records ``train_step``):
+models.py, in fp32 and under bf16 autocast, every mode from the same weights and inputs. Modes:
 
-* ``single``: the model on the first GPU; ``single_shard``: the same with one replica's share of
-  the batch (batch / g for each GPU count g compared; 2 on a one-GPU machine). Its
-  ``ideal_speedup_vs_single`` = one-GPU time / its time is what g GPUs would reach with perfect
-  overlap and no communication: the bound of every data-parallel mode at that batch size;
-* ``torch_dp``: ``torch.nn.DataParallel``;
-* ``torchdp``: ``torchdp.DataParallel``, its replicas kept between steps. Before it is timed its
-  outputs and gradients after one step are compared with torch.nn.DataParallel's;
-  ``torchdp_serial``: ``serial_forward=True``; ``torchdp_new_replicas``: ``cache_replicas=False``,
-  new replicas at every step as torch.nn.DataParallel builds them;
-* ``torchdp_graphs``: ``cuda_graphs=True``, and its one-GPU baseline ``single_graphs`` (GPUs only);
-* ``ddp``: DistributedDataParallel with one process per GPU, ``torchdp_process_group``:
-  ``torchdp.DataParallel(process_group=WORLD)`` in each process, ``ddp_over_torchdp``: DDP around
-  torchdp.DataParallel. Their processes are spawned once per GPU count; each trains batch / gpus
-  samples, and a step's time is the slowest rank's.
+* ``single``: the model on the first GPU; ``single_shard``: the same at batch / g (g: each GPU
+  count compared, 2 on one GPU), whose ``ideal_speedup_vs_single`` is what g GPUs would reach
+  with perfect overlap and no communication, the bound of every data-parallel mode;
+* ``torch_dp``: ``torch.nn.DataParallel``; ``torchdp``: ``torchdp.DataParallel``, replicas kept
+  (its outputs and gradients after one step are first compared with torch.nn.DataParallel's);
+  ``torchdp_serial``: ``serial_forward=True``; ``torchdp_new_replicas``: ``cache_replicas=False``;
+  ``torchdp_graphs``: ``cuda_graphs=True``, with its one-GPU baseline ``single_graphs`` (GPUs);
+* ``ddp``: DistributedDataParallel, one process per GPU (batch / gpus each, a step's time the
+  slowest rank's); likewise ``torchdp_process_group`` (``torchdp.DataParallel(process_group=
+  WORLD)``) and ``ddp_over_torchdp`` (DDP around torchdp.DataParallel).
 
 ``torchdp_new_replicas``, ``torchdp_process_group`` and ``ddp_over_torchdp`` run only when
-``--modes`` names them. ``--memory`` is the memory run (records ``memory``): models.py's language
+``--modes`` names them. ``--memory``: the memory run (records ``memory``) of models.py's language
 model with a 50k-token output layer, fp32, peak memory per GPU and ``mem_ratio_gpu0_gpu1``; besides
-``single``, ``torch_dp``, ``torchdp`` and ``ddp`` (logits gathered on GPU 0, the loss there) it
-times the loss per replica: ``torchdp_balanced`` (``gather_output=False`` with
-``DataParallelCriterion``) and ``torch_dp_balanced`` (model and loss in one module, each replica
-returning its loss, the closest torch.nn.DataParallel pattern).
+``single``, ``torch_dp``, ``torchdp`` and ``ddp`` (the loss on GPU 0) it times the loss per
+replica: ``torchdp_balanced`` (``gather_output=False`` with ``DataParallelCriterion``) and
+``torch_dp_balanced`` (model and loss in one module, each replica returning its loss).
 
     python benchmarks/bench_train_step.py --out results/train_step.json         # 2 H200: ~1.5 min
     python benchmarks/bench_train_step.py --memory --out results/memory.json    # 2 H200: ~1 min
@@ -56,18 +50,9 @@ from torch import nn
 
 DTYPES = ("fp32", "bf16")
 MODES = (
-    "single",
-    "single_graphs",
-    "single_shard",
-    "torch_dp",
-    "torchdp",
-    "torchdp_serial",
-    "torchdp_new_replicas",
-    "torchdp_graphs",
-    "ddp",
-    "torchdp_process_group",
-    "ddp_over_torchdp",
-)
+    "single", "single_graphs", "single_shard", "torch_dp", "torchdp", "torchdp_serial",
+    "torchdp_new_replicas", "torchdp_graphs", "ddp", "torchdp_process_group", "ddp_over_torchdp",
+)  # fmt: skip
 MEMORY_MODES = ("single", "torch_dp", "torchdp", "torchdp_balanced", "torch_dp_balanced", "ddp")
 OPT_IN_MODES = ("torchdp_new_replicas", "torchdp_process_group", "ddp_over_torchdp")
 GRAPH_MODES = ("single_graphs", "torchdp_graphs")  # CUDA only
@@ -90,9 +75,6 @@ TORCH_DP_NOTES = {
     "the autocast dtype is thread-local, so its replicas run at the thread default dtype",
 }
 _GATHER_SCALARS = ".*Was asked to gather along dimension 0, but all input tensors were scalars.*"
-
-
-# ---- the modes of one process -------------------------------------------------------------------
 
 
 class LossInReplica(nn.Module):
@@ -196,9 +178,6 @@ def run_local(mode: str, master: nn.Module, x, target, dtype: str, devices: list
     return {**fields, "peak_mem_gib": common.peak_memory_gib(devices)}
 
 
-# ---- the modes of one process per GPU -----------------------------------------------------------
-
-
 def process_job(job: dict[str, Any], rank: int, world: int, device: torch.device) -> dict:
     """One configuration of a process mode, on one rank."""
     model = models.build(job["model"], job["smoke"]).to(device)
@@ -296,9 +275,6 @@ def run_processes(jobs: list[dict], world: int, run: common.RunSettings) -> list
                 p.kill()
                 p.join()
     return [outs.get(i, {"error": f"no result from the ranks ({why})"}) for i in range(len(jobs))]
-
-
-# ---- the run ------------------------------------------------------------------------------------
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,13 +1,9 @@
 """Shared helpers of the torchdp benchmarks: machine metadata, timing, records, the command line.
 
-Every benchmark script writes one JSON file::
-
-    {"machine": {...machine_info()...}, "records": [{...}, ...]}
-
-Each record has at least ``bench``, ``model``, ``mode``, ``gpus``, ``dtype``, one of
-``step_ms_median`` / ``replicate_ms_median``, ``speedup_vs_single`` (None where it does not apply)
-and ``peak_mem_gib`` (one value per GPU used, or [] on the CPU). ``run_all.py`` merges the files of
-one run into ``results/<machine>.json``; report.py renders it, judging the targets (targets.py).
+Every benchmark script writes ``{"machine": machine_info(), "records": [...]}``. Each record has at
+least ``bench``, ``model``, ``mode``, ``gpus``, ``dtype``, ``step_ms_median`` or
+``replicate_ms_median``, ``speedup_vs_single`` (None where it does not apply) and ``peak_mem_gib``
+(one value per GPU used, [] on the CPU). run_all.py merges the files of one run.
 """
 
 from __future__ import annotations
@@ -60,9 +56,6 @@ def free_memory() -> None:
         torch.cuda.empty_cache()
 
 
-# ---- the machine --------------------------------------------------------------------------------
-
-
 def _run(cmd: Sequence[str]) -> str:
     try:
         return subprocess.run(
@@ -77,10 +70,9 @@ def git_revision() -> str:
 
 
 def _version(module: str) -> str | None:
-    try:
+    with contextlib.suppress(ImportError):
         return __import__(module).__version__
-    except ImportError:
-        return None
+    return None
 
 
 def machine_info() -> dict[str, Any]:
@@ -120,9 +112,6 @@ def machine_name(info: dict[str, Any]) -> str:
     if not gpus:
         return "cpu"
     return f"{len(gpus)}x" + gpus[0].replace("NVIDIA ", "").replace(" ", "-")
-
-
-# ---- timing -------------------------------------------------------------------------------------
 
 
 def synchronize(devices: Iterable[torch.device]) -> None:
@@ -197,9 +186,6 @@ def make_step(
         opt.step()
 
     return step
-
-
-# ---- records ------------------------------------------------------------------------------------
 
 
 def validate_record(record: dict[str, Any]) -> None:
@@ -304,9 +290,6 @@ def fmt_x(v: Any) -> str:
 def failed(r: dict[str, Any]) -> bool:
     """Whether a record is of a configuration that failed or was skipped."""
     return bool(r.get("error")) or bool(r.get("skipped"))
-
-
-# ---- the command line ---------------------------------------------------------------------------
 
 
 @dataclass

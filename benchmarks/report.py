@@ -2,15 +2,11 @@
 
     python benchmarks/report.py RESULTS.json [MORE.json ...] [--md OUT.md] [--plots PREFIX]
 
-RESULTS.json is a merged results file (``{"machine": ..., "records": [...]}``, see common.py);
-the records of further files are added (their machine blocks listed as further machines). Writes
-OUT.md (default: RESULTS with the suffix .md): the machine, the targets judged on the two-GPU
-records (targets.py), a table per benchmark that has records (training steps, peak memory,
-replicate and its curve over module count, C++), then the configurations that failed or were
-skipped. And three plots (PREFIX defaults to RESULTS without its suffix): PREFIX-speedup.png, the
-speedup over one GPU per model, dtype and mode; PREFIX-replicate.png, replicate time against the
-module count; PREFIX-scaling.png, speedup against the GPU count over every file given (so 2-, 4-
-and 8-GPU runs share its panels). A plot without records is a placeholder image.
+Further files add their records (and machine blocks). Writes OUT.md (default RESULTS.md): the
+machine, the targets judged on the two-GPU records (targets.py), a table per benchmark with records
+and the configurations that failed or were skipped; and PREFIX-speedup.png (speedup over one GPU),
+PREFIX-replicate.png (replicate time against the module count) and PREFIX-scaling.png (speedup
+against the GPU count, over every file given); PREFIX defaults to RESULTS without its suffix.
 """
 
 from __future__ import annotations
@@ -32,31 +28,14 @@ Record = dict[str, Any]
 
 # Display order of modes; unknown modes come after, in order of appearance.
 MODE_ORDER = [
-    "single",
-    "single_graphs",
-    "single_shard",
-    "torch_dp",
-    "torch_dp_balanced",
-    "libtorch_dp",
-    "torchdp",
-    "torchdp_serial",
-    "torchdp_new_replicas",
-    "torchdp_graphs",
-    "torchdp_balanced",
-    "torchdp_functional",
-    "ddp",
-    "torchdp_process_group",
-    "ddp_over_torchdp",
-    "torch_replicate",
-    "libtorch_replicate",
-    "torchdp_replicate",
-]
+    "single", "single_graphs", "single_shard", "torch_dp", "torch_dp_balanced", "libtorch_dp",
+    "torchdp", "torchdp_serial", "torchdp_new_replicas", "torchdp_graphs", "torchdp_balanced",
+    "torchdp_functional", "ddp", "torchdp_process_group", "ddp_over_torchdp", "torch_replicate",
+    "libtorch_replicate", "torchdp_replicate",
+]  # fmt: skip
 DTYPE_ORDER = ["fp32", "tf32", "bf16", "fp16"]
 CPP_BENCHES = ("cpp_train_step", "cpp_replicate")
 REPLICATE_BENCHES = ("replicate", "replicate_curve", "cpp_replicate")
-
-
-# ---- formatting ---------------------------------------------------------------------------------
 
 
 def fmt_ms(v: Any) -> str:
@@ -85,9 +64,14 @@ def table(headers: list[str], rows: list[list[Any]]) -> list[str]:
     return out + ["| " + " | ".join(cell(c) for c in row) + " |" for row in rows] + [""]
 
 
-def columns(records: Iterable[Record], spec: list[tuple[str, Callable[[Record], Any]]]) -> list:
-    """A table of `records`, one row each: `spec` gives each column's header and value."""
-    return table([h for h, _ in spec], [[value(r) for _, value in spec] for r in records])
+def columns(records: Iterable[Record], headers: str, **cells: Callable[[Record], Any]) -> list:
+    """A table of `records`, one row each; `headers` names the columns (";"-separated), their
+    values come from CELLS or, under the header's name in snake case, from `cells`."""
+    names = [h.strip() for h in headers.split(";")]
+    get = [
+        cells.get(h.replace(" ", "_")) or CELLS.get(h) or (lambda r, h=h: r.get(h)) for h in names
+    ]
+    return table(names, [[value(r) for value in get] for r in records])
 
 
 def mode_key(mode: str, seen: list[str]) -> tuple[int, int]:
@@ -124,7 +108,8 @@ def time_of(r: Record) -> float | None:
     return num(r.get("step_ms_median", r.get("replicate_ms_median")))
 
 
-def spread(r: Record, prefix: str) -> str:
+def spread(r: Record) -> str:
+    prefix = "step_ms" if "step_ms_median" in r else "replicate_ms"
     lo, hi = num(r.get(f"{prefix}_p10")), num(r.get(f"{prefix}_p90"))
     return "—" if lo is None or hi is None else f"{fmt_ms(lo)}–{fmt_ms(hi)}"
 
@@ -159,17 +144,24 @@ def grads_cell(r: Record) -> str:
     return "check failed" if r.get("grads_check_error") else "—"
 
 
-def loss_cell(r: Record) -> str:
-    return f"{num(r['loss_first']):.6g}" if num(r.get("loss_first")) is not None else "—"
+CELLS: dict[str, Callable[[Record], Any]] = {
+    "gpus": lambda r: gpus_cell(r),
+    "median ms": lambda r: fmt_ms(time_of(r)),
+    "p10–p90 ms": lambda r: spread(r),
+    "speedup vs single": lambda r: speedup_cell(r),
+    "vs LibTorch": lambda r: fmt_x(r.get("speedup_vs_libtorch")),
+    "peak GiB per GPU": lambda r: fmt_gib(r.get("peak_mem_gib")),
+    "grads match": lambda r: grads_cell(r),
+    "first-step loss": lambda r: (
+        "—" if num(r.get("loss_first")) is None else f"{num(r['loss_first']):.6g}"
+    ),
+}
 
 
 def machine_name_text(machine: dict[str, Any]) -> str:
     if not machine.get("gpus") and machine.get("cuda_devices"):
         return ""  # GPUs whose names the file does not record
     return f" ({common.machine_name(machine)})"
-
-
-# ---- sections -----------------------------------------------------------------------------------
 
 
 def machine_section(machine: dict[str, Any], extra: list[dict[str, Any]]) -> list[str]:
@@ -234,21 +226,9 @@ def train_section(records: list[Record]) -> list[str]:
             ratio = ref / time_of(r)
         return "—" if ratio is None else f"{ratio:.2f}"
 
-    return ["## Training steps", "", TRAIN_TEXT, ""] + columns(
-        ordered(ok),
-        [
-            ("model", lambda r: r.get("model")),
-            ("dtype", lambda r: r.get("dtype")),
-            ("mode", lambda r: r.get("mode")),
-            ("gpus", gpus_cell),
-            ("median ms", lambda r: fmt_ms(r.get("step_ms_median"))),
-            ("p10–p90 ms", lambda r: spread(r, "step_ms")),
-            ("speedup vs single", speedup_cell),
-            ("vs DDP", vs_ddp),
-            ("peak GiB per GPU", lambda r: fmt_gib(r.get("peak_mem_gib"))),
-            ("grads match", grads_cell),
-        ],
-    )
+    headers = "model; dtype; mode; gpus; median ms; p10–p90 ms; speedup vs single; vs DDP; "
+    headers += "peak GiB per GPU; grads match"
+    return ["## Training steps", "", TRAIN_TEXT, ""] + columns(ordered(ok), headers, vs_DDP=vs_ddp)
 
 
 def memory_section(records: list[Record]) -> list[str]:
@@ -271,20 +251,10 @@ def memory_section(records: list[Record]) -> list[str]:
         "Peak allocated memory per GPU (GiB) during the timed steps; GPU0/GPU1 > 1 means the "
         "first GPU carries more (gathered outputs, the original module)."
     )
-    return (
-        []
-        if not mem
-        else ["## Peak memory", "", text, ""]
-        + columns(
-            ordered(mem),
-            [
-                *((k, lambda r, k=k: r.get(k)) for k in ("bench", "model", "dtype", "mode")),
-                ("gpus", gpus_cell),
-                ("peak GiB per GPU", lambda r: fmt_gib(r["peak_mem_gib"])),
-                ("GPU0/GPU1", ratio),
-            ],
-        )
-    )
+    if not mem:
+        return []
+    headers = "bench; model; dtype; mode; gpus; peak GiB per GPU; GPU0/GPU1"
+    return ["## Peak memory", "", text, ""] + columns(ordered(mem), headers, **{"GPU0/GPU1": ratio})
 
 
 def pairs(records: list[Record], bench: str) -> list[tuple[Any, Any, Record, Record, Any]]:
@@ -360,32 +330,13 @@ def cpp_section(records: list[Record]) -> list[str]:
     train = [r for r in records if r.get("bench") == "cpp_train_step" and not failed(r)]
     rep = [r for r in records if r.get("bench") == "cpp_replicate" and not failed(r)]
     lines = ["## C++ (LibTorch)", ""] if train or rep else []
-    head = [(k, lambda r, k=k: r.get(k)) for k in ("model", "mode", "gpus")]
-    vs_libtorch = ("vs LibTorch", lambda r: fmt_x(r.get("speedup_vs_libtorch")))
     if train:
-        lines += [CPP_TRAIN_TEXT, ""] + columns(
-            ordered(train),
-            [
-                *head,
-                ("median ms", lambda r: fmt_ms(r.get("step_ms_median"))),
-                ("p10–p90 ms", lambda r: spread(r, "step_ms")),
-                ("speedup vs single", speedup_cell),
-                vs_libtorch,
-                ("peak GiB per GPU", lambda r: fmt_gib(r.get("peak_mem_gib"))),
-                ("first-step loss", loss_cell),
-            ],
-        )
+        headers = "model; mode; gpus; median ms; p10–p90 ms; speedup vs single; vs LibTorch; "
+        headers += "peak GiB per GPU; first-step loss"
+        lines += [CPP_TRAIN_TEXT, ""] + columns(ordered(train), headers)
     if rep:
-        lines += [CPP_REPLICATE_TEXT, ""] + columns(
-            ordered(rep),
-            [
-                *head,
-                ("modules", lambda r: r.get("modules", "—")),
-                ("median ms", lambda r: fmt_ms(r.get("replicate_ms_median"))),
-                ("p10–p90 ms", lambda r: spread(r, "replicate_ms")),
-                vs_libtorch,
-            ],
-        )
+        headers = "model; mode; gpus; modules; median ms; p10–p90 ms; vs LibTorch"
+        lines += [CPP_REPLICATE_TEXT, ""] + columns(ordered(rep), headers)
     return lines
 
 
@@ -411,9 +362,6 @@ def problems_section(records: list[Record], warnings: list[str], run_failures: l
         ]
         lines.append("")
     return lines
-
-
-# ---- plots --------------------------------------------------------------------------------------
 
 
 def pyplot():
@@ -636,9 +584,6 @@ PLOTS = (
     ("Replicate time vs module count", plot_replicate, "replicate"),
     ("Scaling with the GPU count", plot_scaling, "scaling"),
 )
-
-
-# ---- main ---------------------------------------------------------------------------------------
 
 
 def render(paths: list[str], md_path: str, plot_prefix: str | None) -> str:

@@ -4,12 +4,9 @@
                                  [--cpp-bin build/benchmarks/cpp/torchdp_bench_cpp]
                                  [--out-dir benchmarks/results] [--name STEM]
 
-Each benchmark runs in its own process (GPU memory starts clean for each); their records are merged
-into ``<out-dir>/<machine>.json`` (``2xH200.json``) with the machine metadata, and report.py
-renders ``<machine>.md`` and the ``-speedup.png``, ``-replicate.png`` and ``-scaling.png`` plots
-next to it. A new run of a machine replaces its files: benchmarks/results holds the latest run per
-machine. `make bench` runs this on all GPUs; CI runs ``--smoke`` (CPU, a few steps) through
-tests/python.
+Each benchmark runs in a process of its own (GPU memory starts clean); their records and the
+machine go to ``<out-dir>/<machine>.json``, which report.py renders into ``<machine>.md`` and the
+plots, replacing the machine's previous run. CI runs ``--smoke`` (CPU) through tests/python.
 """
 
 from __future__ import annotations
@@ -58,8 +55,7 @@ def main(argv: list[str] | None = None) -> int:
             if name == "cpp":
                 if not args.cpp_bin or not Path(args.cpp_bin).exists():
                     failures.append(
-                        f"cpp: executable {args.cpp_bin!r} not found (build it with "
-                        "-DTORCHDP_BUILD_BENCHMARKS=ON)"
+                        f"cpp: no executable {args.cpp_bin!r} (TORCHDP_BUILD_BENCHMARKS)"
                     )
                     continue
                 cmd.insert(0, args.cpp_bin)

@@ -2,14 +2,11 @@
 
     python benchmarks/targets.py RESULTS.json [MORE.json ...]
 
-prints a Markdown table: each target, what the run measured, and a verdict ("met", "met with
-<option>" when only an opt-in mode reaches it, "not met", or "not measured" when the run has no
-record for it). report.py puts the same table into every report that has two-GPU records.
-
-The targets are the project's for `make bench` on two GPUs (README, "Performance"); the training
-targets are those of models.py's registry. Only records with gpus == 2 (and the one-GPU baselines)
-are read, so a file that merges 2-, 4- and 8-GPU runs is judged on its two-GPU records; records of
-replicas sharing a GPU are not judged. Failed or skipped configurations count as not measured.
+prints a Markdown table (report.py puts it in every report with two-GPU records): each target of
+`make bench` on two GPUs (README, "Performance"; the training targets are models.py's), what the
+run measured and a verdict: "met", "met with <option>" when only an opt-in mode reaches it, "not
+met", or "not measured". Only two-GPU records (and the one-GPU baselines) are judged, not those of
+replicas sharing a GPU; failed or skipped configurations count as not measured.
 """
 
 from __future__ import annotations
@@ -279,11 +276,11 @@ def _cpp_conv_target(run: Run) -> Verdict:
 
 
 def _mem_ratio(r: Record | None) -> float | None:
-    ratio = num((r or {}).get("mem_ratio_gpu0_gpu1"))
-    peaks = (r or {}).get("peak_mem_gib")
+    ratio, peaks = num((r or {}).get("mem_ratio_gpu0_gpu1")), (r or {}).get("peak_mem_gib")
     if ratio is None and isinstance(peaks, list) and len(peaks) >= 2:
-        a, b = num(peaks[0]), num(peaks[1])
-        ratio = a / b if a is not None and b else None
+        ratio = (
+            num(peaks[0]) / num(peaks[1]) if num(peaks[0]) is not None and num(peaks[1]) else None
+        )
     return ratio
 
 

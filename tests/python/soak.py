@@ -6,9 +6,9 @@ prints the process's resident memory, its thread count and, on CUDA devices, the
 caching allocator has handed out. The report after the warm-up steps is the baseline; the run exits
 with status 1 as soon as a later report exceeds it by more than the bounds.
 
-    python benchmarks/soak.py                           # 2,000 steps on cuda:0,cuda:0 or cpu,cpu
-    python benchmarks/soak.py --devices cpu,cpu,cpu --steps 200
-    python benchmarks/soak.py --devices cuda:0,cuda:0 --cuda-graphs
+    python tests/python/soak.py                           # 2,000 steps on cuda:0,cuda:0 or cpu,cpu
+    python tests/python/soak.py --devices cpu,cpu,cpu --steps 200
+    python tests/python/soak.py --devices cuda:0,cuda:0 --cuda-graphs
 """
 
 from __future__ import annotations
