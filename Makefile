@@ -159,9 +159,9 @@ bench: python
 
 # The soak test: 2,000 training steps through torchdp.DataParallel (cuda:0,cuda:0 with a GPU,
 # else cpu,cpu), failing when RSS, the thread count or CUDA memory grow past its bounds.
-# SOAK_ARGS="--devices cuda:0,cuda:0 --steps 5000" changes it (benchmarks/soak.py --help).
+# SOAK_ARGS="--devices cuda:0,cuda:0 --steps 5000" changes it (tests/python/soak.py --help).
 soak: python
-	PYTHONPATH=$(CURDIR)/python $(PYTHON) benchmarks/soak.py $(SOAK_ARGS)
+	PYTHONPATH=$(CURDIR)/python $(PYTHON) tests/python/soak.py $(SOAK_ARGS)
 
 # The docs site (docs/), with warnings as errors. The API pages document the torchdp that imports:
 # this tree's when its extension is built in place, else an installed one (as docs/conf.py does).

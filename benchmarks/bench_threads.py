@@ -141,12 +141,7 @@ def child(setting: str, warmup: int, steps: int) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    common.add_common_args(parser)
-    parser.add_argument("--warmup", type=int, default=None, help="warm-up steps (5; smoke 1)")
-    parser.add_argument("--steps", type=int, default=None, help="timed steps (30; smoke 3)")
+    parser = common.parser(__doc__, "5 warm-up and 30 timed steps; smoke 1 and 3")
     parser.add_argument("--settings", default=",".join(SETTINGS), help="comma list of settings")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

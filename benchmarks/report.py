@@ -1,33 +1,21 @@
-"""Markdown report and plots of a torchdp benchmark results file.
+"""Markdown report and plots of torchdp benchmark results files.
 
-Usage::
+    python benchmarks/report.py RESULTS.json [MORE.json ...] [--md OUT.md] [--plots PREFIX]
 
-    python benchmarks/report.py RESULTS.json [MORE.json ...] --md OUT.md --plots OUT_PREFIX
-
-RESULTS.json is a merged results file (``{"machine": ..., "records": [...]}``, see common.py);
-further files are merged into it (their records appended, their machine blocks shown as extra
-machine entries, e.g. the C++ benchmark's). Writes:
-
-* OUT.md: the machine block, the targets judged on the two-GPU records (targets.py), the tables
-  that have records (train steps, memory, replicate, replicate curve, C++), then the configurations that failed or were skipped, with their message;
-* OUT_PREFIX-speedup.png: speedup over one GPU per model/dtype (grouped bars, one per mode, the C++
-  models included), dashed lines at 1.0 and at the GPU count;
-* OUT_PREFIX-replicate.png: replicate time vs module count (log-log, one line per mode).
-* OUT_PREFIX-scaling.png: speedup against the GPU count, one panel per model, over every results
-  file given (so 2-, 4- and 8-GPU runs share the panels).
-
-Defaults: OUT.md = RESULTS with the suffix .md, OUT_PREFIX = RESULTS without its suffix. Missing
-sections are left out (smoke results have few records); a plot with no data is not written.
+Further files add their records (and machine blocks). Writes OUT.md (default RESULTS.md): the
+machine, the targets judged on the two-GPU records (targets.py), a table per benchmark with records
+and the configurations that failed or were skipped; and PREFIX-speedup.png (speedup over one GPU),
+PREFIX-replicate.png (replicate time against the module count) and PREFIX-scaling.png (speedup
+against the GPU count, over every file given); PREFIX defaults to RESULTS without its suffix.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -40,23 +28,11 @@ Record = dict[str, Any]
 
 # Display order of modes; unknown modes come after, in order of appearance.
 MODE_ORDER = [
-    "single",
-    "single_graphs",
-    "single_shard",
-    "torch_dp",
-    "torch_dp_balanced",
-    "libtorch_dp",
-    "torchdp",
-    "torchdp_serial",
-    "torchdp_new_replicas",
-    "torchdp_graphs",
-    "torchdp_balanced",
-    "torchdp_functional",
-    "ddp",
-    "torch_replicate",
-    "libtorch_replicate",
-    "torchdp_replicate",
-]
+    "single", "single_graphs", "single_shard", "torch_dp", "torch_dp_balanced", "libtorch_dp",
+    "torchdp", "torchdp_serial", "torchdp_new_replicas", "torchdp_graphs", "torchdp_balanced",
+    "torchdp_functional", "ddp", "torchdp_process_group", "ddp_over_torchdp", "torch_replicate",
+    "libtorch_replicate", "torchdp_replicate",
+]  # fmt: skip
 DTYPE_ORDER = ["fp32", "tf32", "bf16", "fp16"]
 CPP_BENCHES = ("cpp_train_step", "cpp_replicate")
 # bench_threads.py: CPU replicas, shown with their CPU time and threads, not as training steps.
@@ -64,59 +40,11 @@ THREAD_BENCHES = ("threads",)
 REPLICATE_BENCHES = ("replicate", "replicate_curve", "cpp_replicate")
 
 
-# ---- loading ------------------------------------------------------------------------------------
-
-
-def load_results(
-    paths: list[str],
-) -> tuple[dict[str, Any], list[dict[str, Any]], list[Record], list[str]]:
-    """(main machine block, further machine blocks, records, warnings)."""
-    machine: dict[str, Any] = {}
-    extra_machines: list[dict[str, Any]] = []
-    records: list[Record] = []
-    warnings: list[str] = []
-    for i, path in enumerate(paths):
-        try:
-            data = common.load(path)
-        except ValueError as e:
-            # Keep going with what is readable; invalid records are listed as such.
-            warnings.append(f"{path}: {e}")
-            data = json.loads(Path(path).read_text())
-            if not isinstance(data, dict):
-                raise SystemExit(f"{path}: not a torchdp benchmark results file") from e
-        m = data.get("machine") or {}
-        if i == 0:
-            machine = _cpp_only_machine(m) if m.get("source") == "cpp" else m
-        else:
-            extra_machines.append(m)
-        for r in data.get("records") or []:
-            if not isinstance(r, dict):
-                continue
-            try:
-                common.validate_record(r)
-            except ValueError as e:
-                r = dict(r)
-                r.setdefault("error", f"invalid record: {e}")
-            records.append(r)
-    # A merged file may carry the C++ benchmark's machine block inside the main one.
-    for key in ("cpp", "cpp_machine"):
-        if isinstance(machine.get(key), dict):
-            extra_machines.append(machine[key])
-    return machine, extra_machines, records, warnings
-
-
-# ---- formatting ---------------------------------------------------------------------------------
-
-
 def fmt_ms(v: Any) -> str:
     f = num(v)
     if f is None:
         return "—"
-    if f >= 100:
-        return f"{f:.0f}"
-    if f >= 10:
-        return f"{f:.1f}"
-    return f"{f:.2f}"
+    return f"{f:.0f}" if f >= 100 else f"{f:.1f}" if f >= 10 else f"{f:.2f}"
 
 
 def fmt_gib(values: Any) -> str:
@@ -126,8 +54,7 @@ def fmt_gib(values: Any) -> str:
 
 
 def cell(text: Any) -> str:
-    s = "—" if text is None else str(text)
-    return s.replace("|", "\\|").replace("\n", " ")
+    return ("—" if text is None else str(text)).replace("|", "\\|").replace("\n", " ")
 
 
 def one_line(text: Any) -> str:
@@ -136,8 +63,17 @@ def one_line(text: Any) -> str:
 
 def table(headers: list[str], rows: list[list[Any]]) -> list[str]:
     out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
-    out += ["| " + " | ".join(cell(c) for c in row) + " |" for row in rows]
-    return out + [""]
+    return out + ["| " + " | ".join(cell(c) for c in row) + " |" for row in rows] + [""]
+
+
+def columns(records: Iterable[Record], headers: str, **cells: Callable[[Record], Any]) -> list:
+    """A table of `records`, one row each; `headers` names the columns (";"-separated), their
+    values come from CELLS or, under the header's name in snake case, from `cells`."""
+    names = [h.strip() for h in headers.split(";")]
+    get = [
+        cells.get(h.replace(" ", "_")) or CELLS.get(h) or (lambda r, h=h: r.get(h)) for h in names
+    ]
+    return table(names, [[value(r) for value in get] for r in records])
 
 
 def mode_key(mode: str, seen: list[str]) -> tuple[int, int]:
@@ -151,36 +87,33 @@ def mode_key(mode: str, seen: list[str]) -> tuple[int, int]:
 def ordered(records: Iterable[Record]) -> list[Record]:
     """Records sorted by model (first appearance), dtype, gpus and mode."""
     records = list(records)
-    models: list[str] = []
-    for r in records:
-        if r.get("model") not in models:
-            models.append(r.get("model"))
+    models = list(dict.fromkeys(r.get("model") for r in records))
     seen: list[str] = []
 
     def dtype_key(d: Any) -> tuple[int, str]:
         d = str(d)
         return (DTYPE_ORDER.index(d), "") if d in DTYPE_ORDER else (len(DTYPE_ORDER), d)
 
-    return sorted(
-        records,
-        key=lambda r: (
+    def key(r: Record) -> tuple:
+        mode = mode_key(str(r.get("mode")), seen)
+        return (
             models.index(r.get("model")),
             dtype_key(r.get("dtype")),
             num(r.get("gpus")) or 0,
-            mode_key(str(r.get("mode")), seen),
-        ),
-    )
+            mode,
+        )
+
+    return sorted(records, key=key)
 
 
 def time_of(r: Record) -> float | None:
     return num(r.get("step_ms_median", r.get("replicate_ms_median")))
 
 
-def spread(r: Record, prefix: str) -> str:
+def spread(r: Record) -> str:
+    prefix = "step_ms" if "step_ms_median" in r else "replicate_ms"
     lo, hi = num(r.get(f"{prefix}_p10")), num(r.get(f"{prefix}_p90"))
-    if lo is None or hi is None:
-        return "—"
-    return f"{fmt_ms(lo)}–{fmt_ms(hi)}"
+    return "—" if lo is None or hi is None else f"{fmt_ms(lo)}–{fmt_ms(hi)}"
 
 
 def gpus_cell(r: Record) -> str:
@@ -208,53 +141,46 @@ def grads_cell(r: Record) -> str:
     diff = num(r.get("grads_max_abs_diff"))
     detail = f" (max abs diff {diff:.1e})" if diff is not None else ""
     for key in ("grads_match_torch_dp", "grads_match"):
-        v = r.get(key)
-        if isinstance(v, bool):
-            return ("yes" if v else "**no**") + detail
-    if r.get("grads_check_error"):
-        return "check failed"
-    return "—"
+        if isinstance(r.get(key), bool):
+            return ("yes" if r[key] else "**no**") + detail
+    return "check failed" if r.get("grads_check_error") else "—"
 
 
-# ---- sections -----------------------------------------------------------------------------------
+CELLS: dict[str, Callable[[Record], Any]] = {
+    "gpus": lambda r: gpus_cell(r),
+    "median ms": lambda r: fmt_ms(time_of(r)),
+    "p10–p90 ms": lambda r: spread(r),
+    "speedup vs single": lambda r: speedup_cell(r),
+    "vs LibTorch": lambda r: fmt_x(r.get("speedup_vs_libtorch")),
+    "peak GiB per GPU": lambda r: fmt_gib(r.get("peak_mem_gib")),
+    "grads match": lambda r: grads_cell(r),
+    "first-step loss": lambda r: (
+        "—" if num(r.get("loss_first")) is None else f"{num(r['loss_first']):.6g}"
+    ),
+}
 
 
-def _cpp_only_machine(machine: dict[str, Any]) -> dict[str, Any]:
-    """The machine block of a file written by the C++ benchmark alone, in the Python blocks' keys
-    (older C++ files name neither the GPUs nor the date: they stay unknown, not "CPU")."""
-    out = dict(machine)
-    out["torch"] = f"libtorch {machine.get('libtorch') or '?'}"
-    out["torchdp"] = machine.get("torchdp_version")
-    out["torchdp_has_cuda"] = machine.get("torchdp_with_cuda")
-    out["torchdp_has_nccl"] = machine.get("torchdp_with_nccl")
-    return out
+def machine_name_text(machine: dict[str, Any]) -> str:
+    if not machine.get("gpus") and machine.get("cuda_devices"):
+        return ""  # GPUs whose names the file does not record
+    return f" ({common.machine_name(machine)})"
 
 
 def machine_section(machine: dict[str, Any], extra: list[dict[str, Any]]) -> list[str]:
     gpus = machine.get("gpus") or []
-    gpu_text = (
-        f"{len(gpus)}x {gpus[0]}"
-        if gpus and len(set(gpus)) == 1
-        else (", ".join(gpus) if gpus else "none (CPU)")
-    )
-    if not gpus and machine.get("cuda_devices"):
+    if gpus:
+        gpu_text = f"{len(gpus)}x {gpus[0]}" if len(set(gpus)) == 1 else ", ".join(gpus)
+    elif machine.get("cuda_devices"):
         gpu_text = f"{machine['cuda_devices']} CUDA device(s), names not recorded"
+    else:
+        gpu_text = "none (CPU)"
     rev = str(machine.get("torchdp_git_revision") or "—")
-    rows = [
-        ("GPUs", gpu_text),
-        ("Driver", machine.get("driver")),
-        ("torch", machine.get("torch")),
-        ("CUDA", machine.get("cuda")),
-        ("cuDNN", machine.get("cudnn")),
-        ("NCCL", machine.get("nccl")),
+    torchdp = f"{machine.get('torchdp') or '—'} (CUDA {machine.get('torchdp_has_cuda')}, NCCL "
+    rows = [("GPUs", gpu_text)]
+    rows += [(k, machine.get(k.lower())) for k in ("Driver", "torch", "CUDA", "cuDNN", "NCCL")]
+    rows += [
         ("torchvision", machine.get("torchvision")),
-        (
-            "torchdp",
-            f"{machine.get('torchdp') or '—'} (CUDA {machine.get('torchdp_has_cuda')}, "
-            f"NCCL {machine.get('torchdp_has_nccl')})"
-            if machine
-            else None,
-        ),
+        ("torchdp", torchdp + f"{machine.get('torchdp_has_nccl')})" if machine else None),
         ("torchdp revision", rev[:12] if len(rev) == 40 else rev),
         ("Python", machine.get("python")),
         ("Platform", machine.get("platform")),
@@ -263,17 +189,23 @@ def machine_section(machine: dict[str, Any], extra: list[dict[str, Any]]) -> lis
     ]
     lines = ["## Machine", ""]
     lines += table(["", ""], [[k, v if v not in (None, "") else "—"] for k, v in rows])
-    topo = machine.get("gpu_topology")
-    if topo:
+    if machine.get("gpu_topology"):
         lines += ["GPU topology (`nvidia-smi topo -m`, first lines):", "", "```"]
-        lines += [str(t) for t in topo] + ["```", ""]
-    for m in extra:
-        if not m:
-            continue
+        lines += [str(t) for t in machine["gpu_topology"]] + ["```", ""]
+    for m in filter(None, extra):
         label = "C++ benchmark" if m.get("source") == "cpp" else "Further file"
         items = ", ".join(f"{k}: {v}" for k, v in m.items() if not isinstance(v, (dict, list)))
         lines += [f"{label}: {items}", ""]
     return lines
+
+
+TRAIN_TEXT = (
+    "Median of the timed steps (zero_grad, forward, loss, backward, optimizer step); p10–p90 "
+    "spread; speedup = one-GPU time / time; vs DDP = DDP time / time (above 1: faster than DDP, "
+    "below 1: slower). `single_shard`: the plain model on one GPU with batch / g (one replica's "
+    'share of a g-GPU run); its "ideal" speedup = one-GPU time / its time, what g GPUs would '
+    "reach with no communication and perfect overlap."
+)
 
 
 def train_section(records: list[Record]) -> list[str]:
@@ -285,63 +217,24 @@ def train_section(records: list[Record]) -> list[str]:
     ok = [r for r in train if not failed(r)]
     if not ok:
         return []
-    # DDP reference per (bench, model, dtype, gpus).
-    ddp: dict[tuple, float] = {}
-    for r in ok:
-        t = time_of(r)
-        if is_ddp(str(r.get("mode"))) and t:
-            ddp[(r.get("bench"), r.get("model"), r.get("dtype"), r.get("gpus"))] = t
-    lines = [
-        "## Training steps",
-        "",
-        (
-            "Median of the timed steps (zero_grad, forward, loss, backward, optimizer step); "
-            "p10–p90 spread; speedup = one-GPU time / time; vs DDP = DDP time / time "
-            "(above 1: faster than DDP, below 1: slower). `single_shard`: the plain model on one "
-            'GPU with batch / g (one replica\'s share of a g-GPU run); its "ideal" speedup = '
-            "one-GPU time / its time, what g GPUs would reach with no communication and perfect "
-            "overlap."
-        ),
-        "",
-    ]
-    rows = []
-    for r in ordered(ok):
+    ddp = {  # the DDP reference per (bench, model, dtype, gpus)
+        (r.get("bench"), r.get("model"), r.get("dtype"), r.get("gpus")): time_of(r)
+        for r in ok
+        if is_ddp(str(r.get("mode"))) and time_of(r)
+    }
+
+    def vs_ddp(r: Record) -> str:
+        if is_ddp(str(r.get("mode"))):
+            return "—"
         ratio = num(r.get("ratio_to_ddp"))
-        if ratio is None:
-            ref = ddp.get((r.get("bench"), r.get("model"), r.get("dtype"), r.get("gpus")))
-            t = time_of(r)
-            ratio = ref / t if ref and t and not is_ddp(str(r.get("mode"))) else None
-        ratio = "—" if ratio is None or is_ddp(str(r.get("mode"))) else f"{ratio:.2f}"
-        rows.append(
-            [
-                r.get("model"),
-                r.get("dtype"),
-                r.get("mode"),
-                gpus_cell(r),
-                fmt_ms(r.get("step_ms_median")),
-                spread(r, "step_ms"),
-                speedup_cell(r),
-                ratio,
-                fmt_gib(r.get("peak_mem_gib")),
-                grads_cell(r),
-            ]
-        )
-    lines += table(
-        [
-            "model",
-            "dtype",
-            "mode",
-            "gpus",
-            "median ms",
-            "p10–p90 ms",
-            "speedup vs single",
-            "vs DDP",
-            "peak GiB per GPU",
-            "grads match",
-        ],
-        rows,
-    )
-    return lines
+        ref = ddp.get((r.get("bench"), r.get("model"), r.get("dtype"), r.get("gpus")))
+        if ratio is None and ref and time_of(r):
+            ratio = ref / time_of(r)
+        return "—" if ratio is None else f"{ratio:.2f}"
+
+    headers = "model; dtype; mode; gpus; median ms; p10–p90 ms; speedup vs single; vs DDP; "
+    headers += "peak GiB per GPU; grads match"
+    return ["## Training steps", "", TRAIN_TEXT, ""] + columns(ordered(ok), headers, vs_DDP=vs_ddp)
 
 
 def threads_section(records: list[Record]) -> list[str]:
@@ -387,219 +280,107 @@ def memory_section(records: list[Record]) -> list[str]:
         and r["peak_mem_gib"]
         and r.get("bench") not in REPLICATE_BENCHES
     ]
+
+    def ratio(r: Record) -> str:
+        value, peaks = num(r.get("mem_ratio_gpu0_gpu1")), [num(v) for v in r["peak_mem_gib"]]
+        if value is None and len(peaks) >= 2 and peaks[0] is not None and peaks[1]:
+            value = peaks[0] / peaks[1]
+        return "—" if value is None else f"{value:.2f}"
+
+    text = (
+        "Peak allocated memory per GPU (GiB) during the timed steps; GPU0/GPU1 > 1 means the "
+        "first GPU carries more (gathered outputs, the original module)."
+    )
     if not mem:
         return []
-    lines = [
-        "## Peak memory",
-        "",
-        (
-            "Peak allocated memory per GPU (GiB) during the timed steps; GPU0/GPU1 > 1 means the "
-            "first GPU carries more (gathered outputs, the original module)."
-        ),
-        "",
-    ]
-    rows = []
-    for r in ordered(mem):
-        peaks = [num(v) for v in r["peak_mem_gib"]]
-        ratio = num(r.get("mem_ratio_gpu0_gpu1"))
-        if ratio is None and len(peaks) >= 2 and peaks[0] is not None and peaks[1]:
-            ratio = peaks[0] / peaks[1]
-        ratio = "—" if ratio is None else f"{ratio:.2f}"
-        rows.append(
-            [
-                r.get("bench"),
-                r.get("model"),
-                r.get("dtype"),
-                r.get("mode"),
-                gpus_cell(r),
-                fmt_gib(r["peak_mem_gib"]),
-                ratio,
-            ]
-        )
-    lines += table(
-        ["bench", "model", "dtype", "mode", "gpus", "peak GiB per GPU", "GPU0/GPU1"], rows
-    )
-    return lines
+    headers = "bench; model; dtype; mode; gpus; peak GiB per GPU; GPU0/GPU1"
+    return ["## Peak memory", "", text, ""] + columns(ordered(mem), headers, **{"GPU0/GPU1": ratio})
 
 
-def pivot(records: list[Record], bench: str) -> OrderedDict[tuple, dict[str, Record]]:
-    """{(model, gpus): {mode: record}} of one bench, in order of appearance."""
+def pairs(records: list[Record], bench: str) -> list[tuple[Any, Any, Record, Record, Any]]:
+    """(model, gpus, torch's record, torchdp's record, speedup) of the replicate records of
+    `bench`, in order of appearance; configurations without either time are left out."""
     groups: OrderedDict[tuple, dict[str, Record]] = OrderedDict()
     for r in records:
-        if r.get("bench") != bench:
-            continue
-        groups.setdefault((r.get("model"), r.get("gpus")), {})[str(r.get("mode"))] = r
-    return groups
+        if r.get("bench") == bench:
+            groups.setdefault((r.get("model"), r.get("gpus")), {})[str(r.get("mode"))] = r
+    out = []
+    for (model, gpus), modes in groups.items():
+        t, d = modes.get("torch_replicate", {}), modes.get("torchdp_replicate", {})
+        speed = d.get("speedup_vs_torch")
+        if speed is None and time_of(t) and time_of(d):
+            speed = time_of(t) / time_of(d)
+        modules = next((int(num(r["modules"])) for r in modes.values() if num(r.get("modules"))), 0)
+        if time_of(t) is not None or time_of(d) is not None:
+            out.append((model, gpus, modules, t, d, speed))
+    return out
 
 
 # The leading columns of both replicate tables (one torch / torchdp pair per row).
 REPLICATE_COLUMNS = ["model", "gpus", "modules", "torch ms", "torchdp ms", "speedup"]
-
-
-def _replicate_pair(modes: dict[str, Record]) -> tuple[Record, Record, Any]:
-    """torch's and torchdp's replicate records of one configuration, and torchdp's speedup."""
-    t, d = modes.get("torch_replicate", {}), modes.get("torchdp_replicate", {})
-    speed = d.get("speedup_vs_torch")
-    if speed is None and time_of(t) and time_of(d):
-        speed = time_of(t) / time_of(d)
-    return t, d, speed
+REPLICATE_TEXT = (
+    "One differentiable `replicate()` onto all GPUs (median ms): `torch.nn.parallel.replicate` vs "
+    "`torchdp.replicate`; speedup = torch / torchdp. Broadcast only: the parameters and buffers "
+    "broadcast alone, the transfer every replicate pays; bound = torch / broadcast only, the most "
+    "any replicate could gain over torch's here."
+)
 
 
 def replicate_section(records: list[Record]) -> list[str]:
     lines: list[str] = []
-    groups = pivot(records, "replicate")
     rows = []
-    for (model, gpus), modes in groups.items():
-        t, d, speed = _replicate_pair(modes)
-        if time_of(t) is None and time_of(d) is None:
-            continue
+    for model, gpus, _, t, d, speed in pairs(records, "replicate"):
         floor = num(d.get("broadcast_ms_median", t.get("broadcast_ms_median")))
         bound = num(d.get("bound_vs_torch", t.get("bound_vs_torch")))
-        rows.append(
-            [
-                model,
-                gpus,
-                d.get("modules", t.get("modules")),
-                fmt_ms(time_of(t)),
-                fmt_ms(time_of(d)),
-                fmt_x(speed),
-                fmt_ms(floor),
-                fmt_x(bound),
-            ]
-        )
+        modules = d.get("modules", t.get("modules"))
+        times = [fmt_ms(time_of(t)), fmt_ms(time_of(d)), fmt_x(speed)]
+        rows.append([model, gpus, modules, *times, fmt_ms(floor), fmt_x(bound)])
     if rows:
-        lines += [
-            "## Replicate",
-            "",
-            (
-                "One differentiable `replicate()` onto all GPUs (median ms): "
-                "`torch.nn.parallel.replicate` vs `torchdp.replicate`; speedup = torch / torchdp. "
-                "Broadcast only: the parameters and buffers broadcast alone, the transfer every "
-                "replicate pays; bound = torch / broadcast only, the most any replicate could "
-                "gain over torch's here."
-            ),
-            "",
-        ]
-        headers = [*REPLICATE_COLUMNS, "broadcast only ms", "bound"]
-        lines += table(headers, rows)
-
-    groups = pivot(records, "replicate_curve")
+        lines += ["## Replicate", "", REPLICATE_TEXT, ""]
+        lines += table([*REPLICATE_COLUMNS, "broadcast only ms", "bound"], rows)
     rows = []
-    for (model, gpus), modes in sorted(groups.items(), key=lambda kv: _modules(kv[1])):
-        t, d, speed = _replicate_pair(modes)
-        if time_of(t) is None and time_of(d) is None:
-            continue
-        mods = _modules(modes)
-        per_t = f"{1e3 * time_of(t) / mods:.1f}" if time_of(t) and mods else "—"
-        per_d = f"{1e3 * time_of(d) / mods:.1f}" if time_of(d) and mods else "—"
+    for model, gpus, mods, t, d, speed in sorted(
+        pairs(records, "replicate_curve"), key=lambda p: p[2]
+    ):
+        per = [f"{1e3 * time_of(r) / mods:.1f}" if time_of(r) and mods else "—" for r in (t, d)]
         rows.append(
-            [
-                model,
-                gpus,
-                mods or "—",
-                fmt_ms(time_of(t)),
-                fmt_ms(time_of(d)),
-                fmt_x(speed),
-                per_t,
-                per_d,
-            ]
+            [model, gpus, mods or "—", fmt_ms(time_of(t)), fmt_ms(time_of(d)), fmt_x(speed), *per]
         )
     if rows:
-        lines += [
-            "## Replicate time vs module count",
-            "",
-            "`nn.Sequential` of k `Linear(16, 16)`; modules = len(list(net.modules())).",
-            "",
-        ]
-        lines += table(
-            [*REPLICATE_COLUMNS, "torch µs/module", "torchdp µs/module"],
-            rows,
-        )
+        lines += ["## Replicate time vs module count", ""]
+        lines += ["`nn.Sequential` of k `Linear(16, 16)`; modules = len(list(net.modules())).", ""]
+        lines += table([*REPLICATE_COLUMNS, "torch µs/module", "torchdp µs/module"], rows)
     return lines
 
 
-def _modules(modes: dict[str, Record]) -> int:
-    for r in modes.values():
-        m = num(r.get("modules"))
-        if m:
-            return int(m)
-    return 0
+CPP_TRAIN_TEXT = (
+    "Training steps: one device, LibTorch's `torch::nn::parallel::data_parallel`, "
+    "`torchdp::DataParallel` and `torchdp::data_parallel`. First-step loss: the same value across "
+    "modes means the same computation (BatchNorm models differ under data parallelism: "
+    "per-replica batch statistics)."
+)
+CPP_REPLICATE_TEXT = (
+    "Replicate: one differentiable `replicate()` onto all devices "
+    "(`torch::nn::parallel::replicate` deep-clones; `torchdp::replicate` refreshes cached "
+    "replicas)."
+)
 
 
 def cpp_section(records: list[Record]) -> list[str]:
     train = [r for r in records if r.get("bench") == "cpp_train_step" and not failed(r)]
     rep = [r for r in records if r.get("bench") == "cpp_replicate" and not failed(r)]
-    if not train and not rep:
-        return []
-    lines = ["## C++ (LibTorch)", ""]
+    lines = ["## C++ (LibTorch)", ""] if train or rep else []
     if train:
-        lines += [
-            (
-                "Training steps: one device, LibTorch's `torch::nn::parallel::data_parallel`, "
-                "`torchdp::DataParallel` and `torchdp::data_parallel`. First-step loss: the same "
-                "value across modes means the same computation (BatchNorm models differ under "
-                "data parallelism: per-replica batch statistics)."
-            ),
-            "",
-        ]
-        rows = [
-            [
-                r.get("model"),
-                r.get("mode"),
-                r.get("gpus"),
-                fmt_ms(r.get("step_ms_median")),
-                spread(r, "step_ms"),
-                speedup_cell(r),
-                fmt_x(r.get("speedup_vs_libtorch")),
-                fmt_gib(r.get("peak_mem_gib")),
-                f"{num(r['loss_first']):.6g}" if num(r.get("loss_first")) is not None else "—",
-            ]
-            for r in ordered(train)
-        ]
-        lines += table(
-            [
-                "model",
-                "mode",
-                "gpus",
-                "median ms",
-                "p10–p90 ms",
-                "speedup vs single",
-                "vs LibTorch",
-                "peak GiB per GPU",
-                "first-step loss",
-            ],
-            rows,
-        )
+        headers = "model; mode; gpus; median ms; p10–p90 ms; speedup vs single; vs LibTorch; "
+        headers += "peak GiB per GPU; first-step loss"
+        lines += [CPP_TRAIN_TEXT, ""] + columns(ordered(train), headers)
     if rep:
-        lines += [
-            (
-                "Replicate: one differentiable `replicate()` onto all devices "
-                "(`torch::nn::parallel::replicate` deep-clones; `torchdp::replicate` refreshes "
-                "cached replicas)."
-            ),
-            "",
-        ]
-        rows = [
-            [
-                r.get("model"),
-                r.get("mode"),
-                r.get("gpus"),
-                r.get("modules", "—"),
-                fmt_ms(r.get("replicate_ms_median")),
-                spread(r, "replicate_ms"),
-                fmt_x(r.get("speedup_vs_libtorch")),
-            ]
-            for r in ordered(rep)
-        ]
-        lines += table(
-            ["model", "mode", "gpus", "modules", "median ms", "p10–p90 ms", "vs LibTorch"], rows
-        )
+        headers = "model; mode; gpus; modules; median ms; p10–p90 ms; vs LibTorch"
+        lines += [CPP_REPLICATE_TEXT, ""] + columns(ordered(rep), headers)
     return lines
 
 
-def problems_section(
-    records: list[Record], warnings: list[str], run_failures: list[Any]
-) -> list[str]:
+def problems_section(records: list[Record], warnings: list[str], run_failures: list) -> list[str]:
     errors = [r for r in records if r.get("error")]
     skipped = [r for r in records if r.get("skipped") and not r.get("error")]
     lines: list[str] = []
@@ -623,7 +404,13 @@ def problems_section(
     return lines
 
 
-# ---- plots --------------------------------------------------------------------------------------
+def pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 # The chart shows one bar per way of training: PyTorch's and LibTorch's data parallelism, torchdp,
@@ -708,15 +495,10 @@ def plot_replicate(records: list[Record], machine: dict[str, Any], path: str) ->
     ]
     if not curve:
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4.8))
     seen: list[str] = []
-    modes = sorted({str(r.get("mode")) for r in curve}, key=lambda m: mode_key(m, seen))
-    for m in modes:
+    for m in sorted({str(r.get("mode")) for r in curve}, key=lambda m: mode_key(m, seen)):
         pts = sorted(
             (
                 num(r["modules"]),
@@ -727,12 +509,10 @@ def plot_replicate(records: list[Record], machine: dict[str, Any], path: str) ->
             for r in curve
             if str(r.get("mode")) == m
         )
-        xs = [p[0] for p in pts]
-        ys = [p[1] for p in pts]
+        xs, ys = [p[0] for p in pts], [p[1] for p in pts]
         ax.plot(xs, ys, marker="o", label=m)
-        lo = [p[2] if p[2] is not None else p[1] for p in pts]
-        hi = [p[3] if p[3] is not None else p[1] for p in pts]
-        ax.fill_between(xs, lo, hi, alpha=0.2)
+        lo = [p[1] if p[2] is None else p[2] for p in pts]
+        ax.fill_between(xs, lo, [p[1] if p[3] is None else p[3] for p in pts], alpha=0.2)
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("modules in the network")
@@ -749,38 +529,29 @@ def plot_replicate(records: list[Record], machine: dict[str, Any], path: str) ->
 def plot_scaling(records: list[Record], machine: dict[str, Any], path: str) -> str | None:
     """Speedup over one GPU against the GPU count (1, 2, 4, 8, ...), one panel per model and dtype
     of the train-step benchmark, one line per multi-GPU mode, with the ideal speedup dashed."""
+    panels: OrderedDict[tuple[str, str], dict[str, dict[int, float]]] = OrderedDict()
+    shard_label = "one GPU at batch / g (no communication)"
     train = [
         r
         for r in records
-        if r.get("bench") == "train_step"
-        and not failed(r)
-        and num(r.get("speedup_vs_single")) is not None
-        and not r.get("smoke")
+        if r.get("bench") == "train_step" and not failed(r) and not r.get("smoke")
     ]
-    panels: OrderedDict[tuple[str, str], dict[str, dict[int, float]]] = OrderedDict()
-    shard_label = "one GPU at batch / g (no communication)"
-    for r in records:  # single_shard: the bound of every mode at each GPU count
+    for r in train:  # single_shard: the bound of every mode at each GPU count
         ideal, g = num(r.get("ideal_speedup_vs_single")), num(r.get("shards"))
-        if r.get("bench") != "train_step" or failed(r) or r.get("smoke") or not ideal or not g:
-            continue
-        key = (str(r.get("model")), str(r.get("dtype")))
-        panels.setdefault(key, {}).setdefault(shard_label, {1: 1.0})[int(g)] = ideal
+        if ideal and g:
+            key = (str(r.get("model")), str(r.get("dtype")))
+            panels.setdefault(key, {}).setdefault(shard_label, {1: 1.0})[int(g)] = ideal
     for r in train:
-        key = (str(r.get("model")), str(r.get("dtype")))
-        mode = str(r.get("mode"))
-        gpus = int(r.get("gpus") or 1)
-        panels.setdefault(key, {})
-        if mode == "single":
+        if num(r.get("speedup_vs_single")) is None:
             continue
-        panels[key].setdefault(mode, {1: 1.0})[gpus] = float(r["speedup_vs_single"])
+        modes = panels.setdefault((str(r.get("model")), str(r.get("dtype"))), {})
+        if str(r.get("mode")) != "single":
+            line = modes.setdefault(str(r.get("mode")), {1: 1.0})
+            line[int(r.get("gpus") or 1)] = float(r["speedup_vs_single"])
     panels = OrderedDict((k, v) for k, v in panels.items() if v)
     if not panels:
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     cols = min(3, len(panels))
     rows = (len(panels) + cols - 1) // cols
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
@@ -810,11 +581,7 @@ def plot_scaling(records: list[Record], machine: dict[str, Any], path: str) -> s
 
 
 def plot_placeholder(path: str, text: str) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 2.0))
     ax.axis("off")
     ax.text(0.5, 0.5, text, ha="center", va="center")
@@ -823,54 +590,36 @@ def plot_placeholder(path: str, text: str) -> str:
     return path
 
 
-def machine_name_text(machine: dict[str, Any]) -> str:
-    if not machine.get("gpus") and machine.get("cuda_devices"):
-        return ""  # GPUs whose names the file does not record
-    try:
-        name = common.machine_name(machine)
-    except Exception:  # noqa: BLE001
-        return ""
-    return f" ({name})" if name else ""
-
-
-# ---- main ---------------------------------------------------------------------------------------
+SMOKE_TEXT = (
+    "**Smoke run**: tiny models on CPU device lists; the timings check that everything runs and "
+    "mean nothing."
+)
+PLOTS = (
+    ("Speedup over one GPU", plot_speedup, "speedup"),
+    ("Replicate time vs module count", plot_replicate, "replicate"),
+    ("Scaling with the GPU count", plot_scaling, "scaling"),
+)
 
 
 def render(paths: list[str], md_path: str, plot_prefix: str | None) -> str:
-    machine, extra, records, warnings = load_results(paths)
-    smoke = any(r.get("smoke") for r in records) or any(m.get("smoke") for m in extra)
+    machine, extra, records, warnings = common.load_results(paths)
     plots: list[tuple[str, str]] = []
-    if plot_prefix:
-        Path(plot_prefix).parent.mkdir(parents=True, exist_ok=True)
-        for title, fn, suffix in (
-            ("Speedup over one GPU", plot_speedup, "speedup"),
-            ("Replicate time vs module count", plot_replicate, "replicate"),
-            ("Scaling with the GPU count", plot_scaling, "scaling"),
-        ):
-            path = f"{plot_prefix}-{suffix}.png"
-            try:
-                out = fn(records, machine, path)
-                if out is None:  # keep the file set of a run complete: a placeholder
-                    out = plot_placeholder(path, f"{title}: no records in this run")
-                    title += " (no records in this run)"
-            except Exception as e:  # noqa: BLE001 - the tables still get written
-                warnings.append(f"plot {suffix} failed: {type(e).__name__}: {e}")
-                out = None
-            if out:
-                plots.append((title, out))
-
+    for title, plot, suffix in PLOTS if plot_prefix else ():
+        path = f"{plot_prefix}-{suffix}.png"
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        try:
+            out = plot(records, machine, path)
+            if out is None:  # keep the file set of a run complete: a placeholder
+                out = plot_placeholder(path, f"{title}: no records in this run")
+                title += " (no records in this run)"
+            plots.append((title, out))
+        except Exception as e:  # noqa: BLE001 - the tables still get written
+            warnings.append(f"plot {suffix} failed: {type(e).__name__}: {e}")
     lines = [f"# torchdp benchmarks{machine_name_text(machine)}", ""]
-    if smoke:
-        lines += [
-            (
-                "**Smoke run**: tiny models on CPU device lists; the timings check that "
-                "everything runs and mean nothing."
-            ),
-            "",
-        ]
+    if any(r.get("smoke") for r in records) or any(m.get("smoke") for m in extra):
+        lines += [SMOKE_TEXT, ""]
     lines += [f"Source: {', '.join(f'`{p}`' for p in paths)}; {len(records)} records.", ""]
-    lines += machine_section(machine, extra)
-    lines += targets.section(records)
+    lines += machine_section(machine, extra) + targets.section(records)
     sections = (train_section, threads_section, memory_section, replicate_section, cpp_section)
     for section in sections:
         lines += section(records)
@@ -878,12 +627,10 @@ def render(paths: list[str], md_path: str, plot_prefix: str | None) -> str:
         md_dir = Path(md_path).resolve().parent
         lines += ["## Plots", ""]
         for title, p in plots:
-            rel = os.path.relpath(Path(p).resolve(), md_dir)
-            lines += [f"![{title}]({rel})", ""]
+            lines += [f"![{title}]({os.path.relpath(Path(p).resolve(), md_dir)})", ""]
     run_failures = machine.get("failures")
-    lines += problems_section(
-        records, warnings, run_failures if isinstance(run_failures, list) else []
-    )
+    run_failures = run_failures if isinstance(run_failures, list) else []
+    lines += problems_section(records, warnings, run_failures)
     text = "\n".join(lines).rstrip() + "\n"
     Path(md_path).parent.mkdir(parents=True, exist_ok=True)
     Path(md_path).write_text(text)
@@ -892,17 +639,11 @@ def render(paths: list[str], md_path: str, plot_prefix: str | None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=__doc__.split("\n\n", 1)[1],
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument(
-        "results", nargs="+", help="results JSON file(s); the first is the main one"
-    )
-    parser.add_argument("--md", default=None, help="Markdown file to write (default: RESULTS.md)")
-    parser.add_argument(
-        "--plots", default=None, help="prefix of the PNG plots (default: RESULTS without suffix)"
-    )
+    parser.add_argument("results", nargs="+", help="results JSON files; the first is the main one")
+    parser.add_argument("--md", default=None, help="Markdown file (default: RESULTS.md)")
+    parser.add_argument("--plots", default=None, help="prefix of the PNG plots")
     parser.add_argument("--no-plots", action="store_true", help="write no plots")
     args = parser.parse_args(argv)
     first = Path(args.results[0])

@@ -12,6 +12,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+import common
 import report
 import targets
 
@@ -105,7 +106,7 @@ def write_run(path: Path, records: list[dict], **machine) -> Path:
 
 def test_a_two_gpu_results_file_is_judged(tmp_path):
     run = write_run(tmp_path / "r.json", two_gpu_run())
-    _, _, records, warnings = report.load_results([str(run)])
+    _, _, records, warnings = common.load_results([str(run)])
     assert not warnings
     vs = targets.judge(records)
     assert len(vs) == len(targets.TARGETS)

@@ -593,7 +593,7 @@ def test_interpreter_exit_in_the_middle_of_parallel_apply(delay, serial):
 # The soak command
 # ---------------------------------------------------------------------------------------------
 
-SOAK = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "soak.py")
+SOAK = os.path.join(os.path.dirname(__file__), "soak.py")
 
 
 def _soak(*args: str) -> subprocess.CompletedProcess[str]:
