@@ -55,49 +55,27 @@ void DataParallelImpl::check_call(const std::type_info& output,
 
 std::vector<c10::IValue> DataParallelImpl::run_structured(
     c10::IValue inputs, const StructuredCall& call, std::shared_ptr<BufferSnapshot>* buffers) {
-  detail::for_each_tensor(inputs, kArgumentNames, [](const at::Tensor& t, const auto& name) {
-    TORCH_CHECK(t.defined(), kApi, ": ", name(), " is an undefined tensor");
-  });
+  const Names names = [&inputs](size_t k) {
+    return detail::tensor_name(inputs, kArgumentNames, k);
+  };
+  auto tensors = detail::tensors_of(inputs);
+  step_.check_defined(tensors, names);
   TORCH_CHECK_VALUE(!options.cuda_graphs(), kApi,
                     ": cuda_graphs replays forwards of tensor arguments that return one tensor; "
                     "this forward takes or returns other types. Turn cuda_graphs off, or give the "
                     "module a forward over tensors");
-  std::vector<c10::IValue> outputs;
-  run_step([&](const std::vector<at::Tensor>& originals) {
-    if (device_ids_.empty()) {
-      outputs = {call(any_, inputs)};
-    } else if (device_ids_.size() == 1) {
-      outputs = {call(any_, detail::to_device(inputs, device_ids_.front(), kApi, kArgumentNames))};
-    } else {
-      detail::check_forward_context(kApi);
-      const auto dim = options.dim();
-      auto parts = detail::scatter_value(inputs, device_ids_, dim, kApi, kArgumentNames);
-      const size_t n = parts.size();
-      if (n < device_ids_.size()) { // a small batch, or a short tensor that would drop rows
-        std::vector<std::pair<std::string, int64_t>> sizes;
-        detail::for_each_tensor(inputs, kArgumentNames,
-                                [&sizes, dim](const at::Tensor& t, const auto& name) {
-                                  sizes.emplace_back(name(), t.size(dim));
-                                });
-        detail::check_chunks(sizes, n, device_ids_.size(), dim, kApi);
-      }
-      const std::vector<c10::Device> used(device_ids_.begin(), device_ids_.begin() + n);
-      outputs.assign(n, c10::IValue());
-      apply_replicas(
-          used,
-          [&](size_t i, torch::nn::AnyModule& replica) {
-            outputs[i] = call(replica, parts[i]);
-          },
-          originals, buffers);
-    }
-    std::vector<at::Tensor> tensors; // what a process group watches
-    for (const auto& o : outputs) {
-      auto t = detail::tensors_of(o);
-      tensors.insert(tensors.end(), t.begin(), t.end());
-    }
-    return tensors;
-  });
-  return outputs;
+  return run_flat(
+      std::move(tensors), names,
+      [&](torch::nn::AnyModule& m, std::vector<at::Tensor>& args, bool split) {
+        // Split arguments get containers of their own; otherwise unmoved ones stay the caller's.
+        return call(m, detail::map_tensors(
+                           inputs,
+                           [&args](size_t k, const at::Tensor&) {
+                             return args[k];
+                           },
+                           /*keep_unchanged=*/!split));
+      },
+      nullptr, buffers);
 }
 
 c10::IValue DataParallelImpl::join_structured(
@@ -108,7 +86,7 @@ c10::IValue DataParallelImpl::join_structured(
   if (device_ids_.size() == 1) {
     return detail::to_device(outputs.front(), *output_device_, kApi, kOutputNames);
   }
-  return detail::gather_and_release(buffers, [&] {
+  return detail::Step::gather(buffers, [&] {
     return detail::gather_value(outputs, *output_device_, options.dim(), kApi, kOutputNames);
   });
 }
