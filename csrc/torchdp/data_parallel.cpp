@@ -2,6 +2,7 @@
 
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
+#include <c10/util/Type.h>
 #include <c10/util/irange.h>
 
 #include <algorithm>
@@ -10,6 +11,20 @@ namespace torchdp {
 namespace {
 
 constexpr const char* kApi = "torchdp::DataParallel";
+
+const detail::ValueNames kArgumentNames{"forward argument", true};
+
+std::string type_name(const std::type_info& type) {
+  return c10::demangle(type.name());
+}
+
+std::string type_list(const std::vector<const std::type_info*>& types) {
+  std::string out;
+  for (const auto* t : types) {
+    out += (out.empty() ? "" : ", ") + type_name(*t);
+  }
+  return "(" + out + ")";
+}
 
 } // namespace
 
@@ -149,21 +164,24 @@ std::vector<c10::IValue> DataParallelImpl::run_flat(std::vector<at::Tensor> inpu
   // The module's buffers, once it is on device_ids[0] (none when passing through).
   const auto originals = device_ids_.empty() ? std::vector<at::Tensor>() : ensure_placement();
 #if TORCHDP_WITH_C10D
+  bool grad_sync = false;
+  size_t bucket_bytes = autograd::kDefaultGradBucketSize;
   if (!group) {
     sync_.reset();
-    return run_here(std::move(inputs), names, call, graph_call, originals, buffers);
+  } else {
+    if (!sync_ || sync_->group() != group) {
+      sync_ = std::make_shared<detail::ProcessGroupSync>(group, kApi);
+    }
+    // The module is on its device by now: the state is synchronised where it will run.
+    grad_sync = c10::GradMode::is_enabled() && require_backward_grad_sync_;
+    if (grad_sync && options.bucket_cap_mb()) { // checked before the module runs
+      bucket_bytes = autograd::bucket_bytes_from_mib(*options.bucket_cap_mb(), kApi);
+    }
+    sync_->before_forward(*module_, grad_sync && options.broadcast_buffers());
   }
-  if (!sync_ || sync_->group() != group) {
-    sync_ = std::make_shared<detail::ProcessGroupSync>(group, kApi);
-  }
-  // The module is on its device by now: the state is synchronised where it will run.
-  const bool grad_sync = c10::GradMode::is_enabled() && require_backward_grad_sync_;
-  // Checked before the module runs (a bad value leaves its buffers as they were).
-  const size_t bucket_bytes = grad_sync && options.bucket_cap_mb()
-                                  ? autograd::bucket_bytes_from_mib(*options.bucket_cap_mb(), kApi)
-                                  : autograd::kDefaultGradBucketSize;
-  sync_->before_forward(*module_, grad_sync && options.broadcast_buffers());
+#endif
   auto outputs = run_here(std::move(inputs), names, call, graph_call, originals, buffers);
+#if TORCHDP_WITH_C10D
   if (grad_sync) {
     std::vector<at::Tensor> watched;
     for (const auto& o : outputs) {
@@ -172,10 +190,8 @@ std::vector<c10::IValue> DataParallelImpl::run_flat(std::vector<at::Tensor> inpu
     }
     sync_->watch(watched, bucket_bytes);
   }
-  return outputs;
-#else
-  return run_here(std::move(inputs), names, call, graph_call, originals, buffers);
 #endif
+  return outputs;
 }
 
 std::vector<c10::IValue> DataParallelImpl::run_here(std::vector<at::Tensor> inputs,
@@ -183,32 +199,27 @@ std::vector<c10::IValue> DataParallelImpl::run_here(std::vector<at::Tensor> inpu
                                                     const Call* graph_call,
                                                     const std::vector<at::Tensor>& originals,
                                                     std::shared_ptr<BufferSnapshot>* buffers) {
-  const auto graphed = [&](const std::vector<std::vector<at::Tensor>>& parts) {
-    auto outputs = run_graphed(parts, *graph_call);
-    return std::vector<c10::IValue>(std::make_move_iterator(outputs.begin()),
-                                    std::make_move_iterator(outputs.end()));
-  };
   if (device_ids_.empty()) {
     return {call(any_, inputs, false)};
   }
+  detail::Split split;
   if (device_ids_.size() == 1) {
     for (auto& x : inputs) {
       x = x.to(device_ids_.front());
     }
-    if (graph_call != nullptr) {
-      auto outputs = graphed({inputs});
-      if (!outputs.empty()) {
-        return outputs;
-      }
-    }
-    return {call(any_, inputs, false)};
+    split = {device_ids_, {std::move(inputs)}};
+  } else {
+    split = step_.split(inputs, device_ids_, options.dim(), names);
   }
-  auto split = step_.split(inputs, device_ids_, options.dim(), names);
   if (graph_call != nullptr) {
-    auto outputs = graphed(split.parts);
+    auto outputs = run_graphed(split.parts, *graph_call);
     if (!outputs.empty()) {
-      return outputs;
+      return std::vector<c10::IValue>(std::make_move_iterator(outputs.begin()),
+                                      std::make_move_iterator(outputs.end()));
     }
+  }
+  if (device_ids_.size() == 1) {
+    return {call(any_, split.parts.front(), false)};
   }
   std::vector<c10::IValue> outputs(split.used.size());
   std::vector<std::shared_ptr<torch::nn::Module>> replicas;
@@ -251,6 +262,53 @@ at::Tensor DataParallelImpl::join(std::vector<at::Tensor> outputs,
   return detail::Step::gather(buffers, [&] {
     return autograd::gather(outputs, *output_device_, options.dim());
   });
+}
+
+void DataParallelImpl::check_call(const std::type_info& output,
+                                  const std::vector<const std::type_info*>& arguments) const {
+  if (signature_.output == nullptr) {
+    return;
+  }
+  const auto& params = signature_.arguments;
+  TORCH_CHECK_TYPE(arguments.size() <= params.size(), kApi, ": forward got ", arguments.size(),
+                   " arguments ", type_list(arguments), " but the module's forward takes ",
+                   params.size(), " ", type_list(params), "; pass its arguments");
+  for (const auto k : c10::irange(arguments.size())) {
+    TORCH_CHECK_TYPE(*arguments[k] == *params[k], kApi, ": forward argument ", k, " is a ",
+                     type_name(*arguments[k]), " but the module's forward takes a ",
+                     type_name(*params[k]),
+                     " there; pass that type (each replica's module gets the argument through "
+                     "torch::nn::AnyModule, which matches types exactly)");
+  }
+  TORCH_CHECK_TYPE(output == *signature_.output, kApi, ": the module's forward returns ",
+                   type_name(*signature_.output), " but forward<", type_name(output),
+                   "> was called; call forward<", type_name(*signature_.output),
+                   ">(...) to get the gathered output in that type");
+}
+
+std::vector<c10::IValue> DataParallelImpl::run_structured(
+    c10::IValue inputs, const StructuredCall& call, std::shared_ptr<BufferSnapshot>* buffers) {
+  const Names names = [&inputs](size_t k) {
+    return detail::tensor_name(inputs, kArgumentNames, k);
+  };
+  auto tensors = detail::tensors_of(inputs);
+  step_.check_defined(tensors, names);
+  TORCH_CHECK_VALUE(!options.cuda_graphs(), kApi,
+                    ": cuda_graphs replays forwards of tensor arguments that return one tensor; "
+                    "this forward takes or returns other types. Turn cuda_graphs off, or give the "
+                    "module a forward over tensors");
+  return run_flat(
+      std::move(tensors), names,
+      [&](torch::nn::AnyModule& m, std::vector<at::Tensor>& args, bool split) {
+        // Split arguments get containers of their own; otherwise unmoved ones stay the caller's.
+        return call(m, detail::map_tensors(
+                           inputs,
+                           [&args](size_t k, const at::Tensor&) {
+                             return args[k];
+                           },
+                           /*keep_unchanged=*/!split));
+      },
+      nullptr, buffers);
 }
 
 at::Tensor parallel_loss(

@@ -232,21 +232,14 @@ class DataParallelImpl : public torch::nn::Module {
   Output forward(const Args&... inputs) {
     static_assert(sizeof...(Args) > 0,
                   "torchdp::DataParallel::forward needs at least one argument");
-    if constexpr (std::is_same_v<Output, at::Tensor> &&
-                  (std::is_convertible_v<Args, at::Tensor> && ...)) {
-      check_call(typeid(Output),
-                 std::vector<const std::type_info*>(sizeof...(Args), &typeid(at::Tensor)));
-      std::shared_ptr<BufferSnapshot> buffers; // Note [Buffers of failed forwards]
-      auto outputs = run({at::Tensor(inputs)...}, make_call<Args...>(), &buffers);
+    std::shared_ptr<BufferSnapshot> buffers; // Note [Buffers of failed forwards]
+    auto outputs = run_typed<Output>(&buffers, inputs...);
+    if constexpr (kTensorForward<Output, Args...>) {
       return join(std::move(outputs), buffers);
     } else {
-      detail::check_output_type<Output>();
-      (detail::check_argument_type<Args>(), ...);
-      check_call(typeid(Output), {&typeid(Args)...});
-      std::shared_ptr<BufferSnapshot> buffers;
-      auto outputs = run_structured(detail::pack_arguments(inputs...),
-                                    make_structured_call<Output>(inputs...), &buffers);
-      return join_structured(std::move(outputs), buffers).template to<Output>();
+      return step_
+          .join(std::move(outputs), device_ids_.size(), output_device_, options.dim(), buffers)
+          .template to<Output>();
     }
   }
 
@@ -257,17 +250,10 @@ class DataParallelImpl : public torch::nn::Module {
   std::vector<Output> forward_replicas(const Args&... inputs) {
     static_assert(sizeof...(Args) > 0,
                   "torchdp::DataParallel::forward_replicas needs at least one argument");
-    if constexpr (std::is_same_v<Output, at::Tensor> &&
-                  (std::is_convertible_v<Args, at::Tensor> && ...)) {
-      check_call(typeid(Output),
-                 std::vector<const std::type_info*>(sizeof...(Args), &typeid(at::Tensor)));
-      return run({at::Tensor(inputs)...}, make_call<Args...>());
+    auto outputs = run_typed<Output>(nullptr, inputs...);
+    if constexpr (kTensorForward<Output, Args...>) {
+      return outputs;
     } else {
-      detail::check_output_type<Output>();
-      (detail::check_argument_type<Args>(), ...);
-      check_call(typeid(Output), {&typeid(Args)...});
-      auto outputs = run_structured(detail::pack_arguments(inputs...),
-                                    make_structured_call<Output>(inputs...));
       std::vector<Output> typed;
       typed.reserve(outputs.size());
       for (auto& o : outputs) {
@@ -364,6 +350,24 @@ class DataParallelImpl : public torch::nn::Module {
     };
   }
 
+  // The tensor forward (tensors in, a tensor out) or the structured one; their checks first.
+  template <typename Output, typename... Args>
+  static constexpr bool kTensorForward =
+      std::is_same_v<Output, at::Tensor> && (std::is_convertible_v<Args, at::Tensor> && ...);
+  template <typename Output, typename... Args>
+  auto run_typed(std::shared_ptr<BufferSnapshot>* buffers, const Args&... inputs) {
+    if constexpr (kTensorForward<Output, Args...>) {
+      check_call(typeid(Output),
+                 std::vector<const std::type_info*>(sizeof...(Args), &typeid(at::Tensor)));
+      return run({at::Tensor(inputs)...}, make_call<Args...>(), buffers);
+    } else {
+      detail::check_output_type<Output>();
+      (detail::check_argument_type<Args>(), ...);
+      check_call(typeid(Output), {&typeid(Args)...});
+      return run_structured(detail::pack_arguments(inputs...),
+                            make_structured_call<Output>(inputs...), buffers);
+    }
+  }
   // Fails, before anything runs, when the module's forward does not take `arguments` (decayed
   // types) or does not return `output`.
   void check_call(const std::type_info& output,
@@ -378,10 +382,6 @@ class DataParallelImpl : public torch::nn::Module {
   // Gathers run()'s outputs; a failed gather writes the buffer copy back.
   at::Tensor join(std::vector<at::Tensor> outputs,
                   const std::shared_ptr<BufferSnapshot>& buffers) const;
-  // Gathers run_structured()'s outputs likewise.
-  c10::IValue join_structured(std::vector<c10::IValue> outputs,
-                              const std::shared_ptr<BufferSnapshot>& buffers) const;
-
   // Both forwards over their flat tensor inputs (Note [The step engine]): `call(module, inputs,
   // split)` runs the module, or a replica on its part of the split inputs; `graph_call`, given
   // with cuda_graphs, may replay the forward instead.

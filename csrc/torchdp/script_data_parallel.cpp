@@ -14,7 +14,6 @@ constexpr const char* kApi = "torchdp::ScriptDataParallel";
 
 const detail::ValueNames kArgumentNames{"forward argument", true};
 const detail::ValueNames kKeywordNames{"keyword argument", true};
-const detail::ValueNames kOutputNames{"the output", false};
 
 c10::IValue keywords_value(const torch::jit::Kwargs& kwargs) {
   c10::impl::GenericDict dict(c10::StringType::get(), c10::AnyType::get());
@@ -82,26 +81,20 @@ void ScriptDataParallel::ensure_placement() {
     module_.to(target);
     return;
   }
-  for (const auto& kind : {"parameter", "buffer"}) {
-    const bool param = std::string(kind) == "parameter";
-    const auto check = [&](const std::string& name, const at::Tensor& t) {
-      TORCH_CHECK(!off(t), kApi, ": ",
-                  detail::misplaced_module_message(
-                      target, kind, name, t.device(),
-                      c10::str("Move the module there before the forward, e.g. module.to(",
-                               "torch::Device(\"", target,
-                               "\")), or pass DataParallelOptions().place_module(true) to let "
-                               "ScriptDataParallel move it")));
-    };
-    if (param) {
-      for (const auto& p : module_.named_parameters()) {
-        check(p.name, p.value);
-      }
-    } else {
-      for (const auto& b : module_.named_buffers()) {
-        check(b.name, b.value);
-      }
-    }
+  const auto check = [&](const char* kind, const std::string& name, const at::Tensor& t) {
+    TORCH_CHECK(!off(t), kApi, ": ",
+                detail::misplaced_module_message(
+                    target, kind, name, t.device(),
+                    c10::str("Move the module there before the forward, e.g. module.to(",
+                             "torch::Device(\"", target,
+                             "\")), or pass DataParallelOptions().place_module(true) to let "
+                             "ScriptDataParallel move it")));
+  };
+  for (const auto& p : module_.named_parameters()) {
+    check("parameter", p.name, p.value);
+  }
+  for (const auto& b : module_.named_buffers()) {
+    check("buffer", b.name, b.value);
   }
 }
 
@@ -176,15 +169,8 @@ c10::IValue ScriptDataParallel::forward(std::vector<c10::IValue> inputs,
                                         const torch::jit::Kwargs& kwargs) {
   std::shared_ptr<BufferSnapshot> buffers; // Note [Buffers of failed forwards]
   auto outputs = run(std::move(inputs), kwargs, &buffers);
-  if (device_ids_.empty()) {
-    return std::move(outputs.front());
-  }
-  if (device_ids_.size() == 1) {
-    return detail::to_device(outputs.front(), *output_device_, kApi, kOutputNames);
-  }
-  return detail::Step::gather(buffers, [&] {
-    return detail::gather_value(outputs, *output_device_, options_.dim(), kApi, kOutputNames);
-  });
+  return step_.join(std::move(outputs), device_ids_.size(), output_device_, options_.dim(),
+                    buffers);
 }
 
 } // namespace torchdp

@@ -1,6 +1,7 @@
 // The step engine of the C++ front ends (Note [The step engine] in step.h).
 #include <torchdp/autograd.h>
 #include <torchdp/devices.h>
+#include <torchdp/enclosing_forward.h>
 #include <torchdp/graphed_replicas.h>
 #include <torchdp/parallel_apply.h>
 #include <torchdp/step.h>
@@ -105,34 +106,30 @@ StepDevices resolve_devices(const std::optional<std::vector<c10::Device>>& devic
   return out;
 }
 
-void Step::check_defined(const std::vector<at::Tensor>& inputs,
-                         const std::function<std::string(size_t)>& name) const {
+void Step::check_defined(const std::vector<at::Tensor>& inputs, const Names& names) const {
   for (const auto k : c10::irange(inputs.size())) {
-    TORCH_CHECK(inputs[k].defined(), api_, ": ", name(k), " is an undefined tensor");
+    TORCH_CHECK(inputs[k].defined(), api_, ": ", names(k), " is an undefined tensor");
   }
 }
 
 Split Step::split(const std::vector<at::Tensor>& inputs, const std::vector<c10::Device>& devices,
-                  int64_t dim, const std::function<std::string(size_t)>& name) const {
+                  int64_t dim, const Names& names) const {
   check_forward_context(api_);
-  const auto chunks = scatter_tensors(inputs, devices, dim, api_, name, dim_note_);
+  const auto chunks = scatter_tensors(inputs, devices, dim, api_, names, dim_note_);
   size_t n = devices.size();
   for (const auto& c : chunks) {
     n = std::min(n, c.size());
   }
   if (n < devices.size()) { // a small batch, or a short tensor that would drop rows
     std::vector<std::pair<std::string, int64_t>> sizes;
-    sizes.reserve(inputs.size());
     for (const auto k : c10::irange(inputs.size())) {
-      sizes.emplace_back(name(k), inputs[k].size(dim));
+      sizes.emplace_back(names(k), inputs[k].size(dim));
     }
     check_chunks(sizes, n, devices.size(), dim, api_);
   }
-  Split out;
-  out.used.assign(devices.begin(), devices.begin() + static_cast<std::ptrdiff_t>(n));
-  out.parts.resize(n);
+  Split out{{devices.begin(), devices.begin() + static_cast<std::ptrdiff_t>(n)},
+            std::vector<std::vector<at::Tensor>>(n)};
   for (const auto i : c10::irange(n)) {
-    out.parts[i].reserve(chunks.size());
     for (const auto& c : chunks) {
       out.parts[i].push_back(c[i]);
     }
@@ -148,9 +145,40 @@ void Step::run(const std::vector<c10::Device>& used, const std::vector<at::Tenso
   if (bucket_cap_mb) {
     bucket_size.emplace(autograd::bucket_bytes_from_mib(*bucket_cap_mb, api_));
   }
-  run_with_rollback(snapshot_, originals, keep, [&] {
+  if (!snapshot_ || snapshot_.use_count() > 1) { // a kept copy is still someone else's
+    snapshot_ = std::make_shared<BufferSnapshot>();
+  }
+  snapshot_->take(originals);
+  const auto snapshot = snapshot_;
+  if (keep != nullptr) {
+    *keep = snapshot;
+  }
+  try {
+    const EnclosingForwardGuard enclosing(snapshot->take_id());
     replicate();
     parallel_run(used.size(), used, run_replica);
+  } catch (...) {
+    snapshot->restore();
+    snapshot->release();
+    throw;
+  }
+  if (keep == nullptr) {
+    snapshot->release(); // no gather follows: the step is over
+  }
+}
+
+c10::IValue Step::join(std::vector<c10::IValue> outputs, size_t devices,
+                       std::optional<c10::Device> output_device, int64_t dim,
+                       const std::shared_ptr<BufferSnapshot>& kept) const {
+  const ValueNames names{"the output", false};
+  if (devices == 0) { // passthrough: where the module put it
+    return std::move(outputs.front());
+  }
+  if (devices == 1) {
+    return to_device(outputs.front(), *output_device, api_, names);
+  }
+  return gather(kept, [&] {
+    return gather_value(outputs, *output_device, dim, api_, names);
   });
 }
 

@@ -3,6 +3,7 @@
 #include <torchdp/replicate.h>
 
 #include <ATen/core/Tensor.h>
+#include <ATen/core/ivalue.h>
 #include <c10/core/Device.h>
 
 #include <functional>
@@ -13,14 +14,14 @@
 #include <vector>
 
 // Note [The step engine]
-// Every C++ front end (DataParallelImpl's forwards, ScriptDataParallel, data_parallel<>) runs
-// its eager data-parallel step through detail::Step, over a flat list of tensors that the front
-// end names for errors: it flattens its arguments (detail::for_each_tensor), the engine splits
-// them (the forward-context check, scatter along dim, the chunk check of Note [Per-replica
-// rows]), replicates the module and runs the replicas on their devices under the rollback of
-// Note [Buffers of failed forwards], and gathers while it releases the buffer copy; the front end
-// rebuilds each replica's arguments and the output from the flat lists (detail::map_tensors).
-// The front ends keep only what is theirs: their module type, the process group, CUDA graphs.
+// Every C++ front end (DataParallelImpl's forwards, ScriptDataParallel, data_parallel<>) runs its
+// eager step through detail::Step, over a flat list of tensors that the front end names for
+// errors: it flattens its arguments (detail::for_each_tensor); the engine splits them (the
+// forward-context check, scatter along dim, the chunk check of Note [Per-replica rows]),
+// replicates the module and runs the replicas on their devices under the rollback of Note
+// [Buffers of failed forwards], and gathers while it releases the buffer copy; the front end
+// rebuilds each replica's arguments from the flat lists (detail::map_tensors) and keeps only what
+// is its own: its module type, the process group, CUDA graphs.
 
 namespace torchdp::detail {
 
@@ -34,9 +35,9 @@ void check_chunks(const std::vector<std::pair<std::string, int64_t>>& sizes, siz
 /// CUDA graphs need CUDA devices (c10::ValueError) and a build with the CUDA fast paths.
 void check_cuda_graphs(const std::vector<c10::Device>& devices, const char* api);
 
-/// The devices of a DataParallel-like wrapper, as its constructor resolves them.
+/// The devices of a wrapper: `device_ids` empty when forwards call the module directly.
 struct StepDevices {
-  std::vector<c10::Device> device_ids; ///< empty: forwards call the module directly
+  std::vector<c10::Device> device_ids;
   std::optional<c10::Device> output_device;
 };
 
@@ -56,35 +57,50 @@ struct Split {
 /// The engine of one front end (Note [The step engine]); it keeps the buffer copy between steps.
 class Step {
  public:
+  using Names = std::function<std::string(size_t)>; ///< the name of input k in errors
+
   /// `api` names the front end in errors; `dim_note` follows the dim in them.
   explicit Step(const char* api, const char* dim_note = "") : api_(api), dim_note_(dim_note) {}
 
-  /// Raises, naming input k as `name(k)`, when one of `inputs` is undefined.
-  void check_defined(const std::vector<at::Tensor>& inputs,
-                     const std::function<std::string(size_t)>& name) const;
+  /// Raises when one of `inputs` is undefined.
+  void check_defined(const std::vector<at::Tensor>& inputs, const Names& names) const;
 
   /// The forward-context check, every input split along `dim` over `devices` (two or more), and
   /// the chunk check when the batch gives fewer chunks than devices.
   Split split(const std::vector<at::Tensor>& inputs, const std::vector<c10::Device>& devices,
-              int64_t dim, const std::function<std::string(size_t)>& name) const;
+              int64_t dim, const Names& names) const;
 
-  /// Replication and the replicas' run: `replicate()`, then `run_replica(i)` for each device of
-  /// `used` in parallel, under the rollback of `originals` (the module's buffers) and gradient
-  /// buckets of `bucket_cap_mb`. The buffer copy goes to `*keep` for gather() when given, else is
-  /// released.
+  /// `replicate()`, then `run_replica(i)` for each device of `used` in parallel, with gradient
+  /// buckets of `bucket_cap_mb`, as the enclosing forward (Note [Nested forwards]) of a copy of
+  /// `originals` (the module's buffers) that is written back when they throw. The copy goes to
+  /// `*keep` for gather() when given, else is released.
   void run(const std::vector<c10::Device>& used, const std::vector<at::Tensor>& originals,
            const std::optional<double>& bucket_cap_mb, std::shared_ptr<BufferSnapshot>* keep,
            const std::function<void()>& replicate, const std::function<void(size_t)>& run_replica);
+
+  /// The end of a step of c10::IValue outputs, one per replica run over `devices` devices: the
+  /// module's own output without devices, moved to `output_device` on one, else gathered there.
+  c10::IValue join(std::vector<c10::IValue> outputs, size_t devices,
+                   std::optional<c10::Device> output_device, int64_t dim,
+                   const std::shared_ptr<BufferSnapshot>& kept) const;
 
   /// The gather that ends the step: returns `gather()` and releases `kept` (run()'s `keep`),
   /// writing the buffers back first when `gather` throws.
   template <typename Gather>
   static auto gather(const std::shared_ptr<BufferSnapshot>& kept, Gather&& gather) {
-    return gather_and_release(kept, std::forward<Gather>(gather));
-  }
-
-  const char* api() const {
-    return api_;
+    try {
+      auto gathered = gather();
+      if (kept) {
+        kept->release();
+      }
+      return gathered;
+    } catch (...) {
+      if (kept) {
+        kept->restore();
+        kept->release();
+      }
+      throw;
+    }
   }
 
  private:

@@ -74,12 +74,13 @@ c10::IValue make_tuple(const c10::IValue& like, std::vector<c10::IValue> element
   return c10::ivalue::Tuple::create(std::move(elements));
 }
 
-struct Gatherer {
-  c10::Device destination;
-  int64_t dim;
+// The replicas' outputs zipped along replica 0's structure (checked alike): one column of
+// tensors per tensor of replica 0, in for_each_tensor's order.
+struct Zipper {
   const char* api;
   const ValueNames& names;
   std::vector<Segment> path;
+  std::vector<std::vector<at::Tensor>> columns;
 
   std::string name() const {
     return format_path(names, path);
@@ -92,7 +93,7 @@ struct Gatherer {
                       "along dim, other values must be equal)");
   }
 
-  c10::IValue run(const std::vector<c10::IValue>& outs) {
+  void zip(const std::vector<c10::IValue>& outs) {
     const auto& first = outs[0];
     if (first.isTensor()) {
       std::vector<at::Tensor> tensors;
@@ -105,16 +106,8 @@ struct Gatherer {
                     " returned an undefined tensor at ", name(), ", which cannot be gathered");
         tensors.push_back(outs[i].toTensor());
       }
-      try {
-        return autograd::gather(tensors, destination, dim);
-      } catch (...) {
-        rethrow_with_prefix(c10::str(api, ": cannot gather ", name(), ": "));
-      }
-    }
-    if (first.isNone()) {
-      return first; // as Python's gather: None whatever the others returned
-    }
-    if (first.isTuple() || first.isList()) {
+      columns.push_back(std::move(tensors));
+    } else if (first.isTuple() || first.isList()) {
       const bool tuple = first.isTuple();
       const size_t size = tuple ? first.toTupleRef().size() : first.toListRef().size();
       for (const auto i : c10::irange(outs.size())) {
@@ -124,36 +117,22 @@ struct Gatherer {
           mismatch(outs, i);
         }
       }
-      std::vector<c10::IValue> members;
-      members.reserve(size);
       std::vector<c10::IValue> column(outs.size());
       for (const auto k : c10::irange(size)) {
         for (const auto i : c10::irange(outs.size())) {
           column[i] = tuple ? outs[i].toTupleRef().elements()[k] : outs[i].toListRef()[k];
         }
         path.emplace_back(k);
-        members.push_back(run(column));
+        zip(column);
         path.pop_back();
       }
-      if (tuple) {
-        return make_tuple(first, std::move(members));
-      }
-      c10::impl::GenericList list(first.toList().elementType());
-      list.reserve(members.size());
-      for (auto& m : members) {
-        list.push_back(std::move(m));
-      }
-      return list;
-    }
-    if (first.isGenericDict()) {
+    } else if (first.isGenericDict()) {
       const auto dict = first.toGenericDict();
       for (const auto i : c10::irange(outs.size())) {
         if (!outs[i].isGenericDict() || outs[i].toGenericDict().size() != dict.size()) {
           mismatch(outs, i);
         }
       }
-      c10::impl::GenericDict joined(dict.keyType(), dict.valueType());
-      joined.reserve(dict.size());
       std::vector<c10::IValue> column(outs.size());
       for (const auto& entry : dict) {
         for (const auto i : c10::irange(outs.size())) {
@@ -166,22 +145,21 @@ struct Gatherer {
           column[i] = it->value();
         }
         path.emplace_back(entry.key());
-        joined.insert(entry.key(), run(column));
+        zip(column);
         path.pop_back();
       }
-      return joined;
-    }
-    for (const auto i : c10::irange(outs.size())) {
-      const bool same =
-          outs[i].isSameIdentity(first) || (outs[i].tagKind() == first.tagKind() &&
-                                            (first.isInt() || first.isDouble() || first.isBool() ||
-                                             first.isString() || first.isDevice()) &&
-                                            outs[i] == first);
-      if (!same) {
-        mismatch(outs, i);
+    } else if (!first.isNone()) { // None is kept, as Python's gather, whatever the others gave
+      for (const auto i : c10::irange(outs.size())) {
+        const bool same = outs[i].isSameIdentity(first) ||
+                          (outs[i].tagKind() == first.tagKind() &&
+                           (first.isInt() || first.isDouble() || first.isBool() ||
+                            first.isString() || first.isDevice()) &&
+                           outs[i] == first);
+        if (!same) {
+          mismatch(outs, i);
+        }
       }
     }
-    return first;
   }
 };
 
@@ -240,8 +218,25 @@ std::vector<c10::IValue> scatter_value(const c10::IValue& input,
 c10::IValue gather_value(const std::vector<c10::IValue>& outputs, c10::Device destination,
                          int64_t dim, const char* api, const ValueNames& names) {
   TORCH_CHECK(!outputs.empty(), api, ": got no outputs to gather; pass one per replica");
-  Gatherer g{normalize_device(destination, api), dim, api, names, {}};
-  return g.run(outputs);
+  const auto to = normalize_device(destination, api);
+  Zipper z{api, names, {}, {}};
+  z.zip(outputs);
+  std::vector<at::Tensor> joined;
+  joined.reserve(z.columns.size());
+  for (const auto k : c10::irange(z.columns.size())) {
+    try {
+      joined.push_back(autograd::gather(z.columns[k], to, dim));
+    } catch (...) {
+      rethrow_with_prefix(
+          c10::str(api, ": cannot gather ", tensor_name(outputs[0], names, k), ": "));
+    }
+  }
+  return map_tensors(
+      outputs[0],
+      [&joined](size_t k, const at::Tensor&) {
+        return joined[k];
+      },
+      /*keep_unchanged=*/false);
 }
 
 c10::IValue to_device(const c10::IValue& value, c10::Device device, const char* api,
