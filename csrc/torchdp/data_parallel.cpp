@@ -2,6 +2,7 @@
 
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
+#include <c10/util/Type.h>
 #include <c10/util/irange.h>
 
 #include <algorithm>
@@ -10,6 +11,20 @@ namespace torchdp {
 namespace {
 
 constexpr const char* kApi = "torchdp::DataParallel";
+
+const detail::ValueNames kArgumentNames{"forward argument", true};
+
+std::string type_name(const std::type_info& type) {
+  return c10::demangle(type.name());
+}
+
+std::string type_list(const std::vector<const std::type_info*>& types) {
+  std::string out;
+  for (const auto* t : types) {
+    out += (out.empty() ? "" : ", ") + type_name(*t);
+  }
+  return "(" + out + ")";
+}
 
 } // namespace
 
@@ -20,65 +35,6 @@ void check_group_and_graphs(bool process_group, bool cuda_graphs, const char* ap
                     ": process_group cannot be combined with cuda_graphs (graphed replicas "
                     "deliver their gradients outside the hooks that average them); drop one of "
                     "the two");
-}
-
-void check_cuda_graphs(const std::vector<c10::Device>& devices, const char* api) {
-  // The devices first: they are what the caller can change on any build.
-  for (const auto& d : devices) {
-    TORCH_CHECK_VALUE(d.is_cuda(), api, ": cuda_graphs=True needs CUDA devices, got devices ",
-                      devices_to_string(devices), "; turn cuda_graphs off or use CUDA devices");
-  }
-  TORCH_CHECK(cuda_graphs_available(), api,
-              ": cuda_graphs needs torchdp built with its CUDA fast paths (TORCHDP_WITH_CUDA); "
-              "this build has none. Turn cuda_graphs off");
-}
-
-namespace {
-// How many chunks torch.chunk makes of `size` rows for `n` devices.
-size_t chunk_count(int64_t size, size_t n) {
-  if (size <= 0) {
-    return 1;
-  }
-  const auto devices = static_cast<int64_t>(n);
-  const int64_t step = (size + devices - 1) / devices;
-  return static_cast<size_t>((size + step - 1) / step);
-}
-} // namespace
-
-// Note [Per-replica rows]
-// A tensor of exactly one row per device along dim is a value per replica (the Hugging Face
-// Trainer's num_items_in_batch, expanded to (n_gpu, 1)), not rows of the batch. When the batch
-// splits into fewer chunks than devices, the replicas that run take their rows and the rows of the
-// replicas that do not run are left out, as nn.DataParallel's scatter does. Any other tensor that
-// would lose rows is refused.
-void check_chunks(const std::vector<std::pair<std::string, int64_t>>& sizes, size_t chunks,
-                  size_t n, int64_t dim, const char* api) {
-  if (chunks >= n || sizes.empty()) {
-    return;
-  }
-  std::vector<std::pair<std::string, int64_t>> batch;
-  for (const auto& s : sizes) {
-    if (s.second != static_cast<int64_t>(n)) {
-      batch.push_back(s);
-    }
-  }
-  if (batch.empty()) {
-    return;
-  }
-  const auto fewer = [n](const auto& a, const auto& b) {
-    return chunk_count(a.second, n) < chunk_count(b.second, n);
-  };
-  const auto& longest = *std::max_element(batch.begin(), batch.end(), fewer);
-  const auto& shortest = *std::min_element(sizes.begin(), sizes.end(), fewer);
-  TORCH_CHECK_VALUE(chunk_count(longest.second, n) <= chunks, api,
-                    ": the input tensors have different sizes along dim ", dim, ": ", longest.first,
-                    " has ", longest.second, " but ", shortest.first, " has ", shortest.second,
-                    ", which splits into only ", chunk_count(shortest.second, n), " chunk(s) for ",
-                    n,
-                    " devices; the extra rows of the longer tensors would be dropped. Give every "
-                    "tensor the batch size along that dim (or exactly one row per device, for a "
-                    "value per replica), or pass the shorter one in another form (a buffer of the "
-                    "module, or a Python list)");
 }
 
 std::string misplaced_module_message(c10::Device target, const std::string& kind,
@@ -99,29 +55,10 @@ void DataParallelImpl::init(std::shared_ptr<torch::nn::Module> module, Wrap wrap
   any_ = wrap_(module_);
   register_module("module", module_);
   replicator_ = std::make_unique<Replicator>(module_);
-  if (options.device_ids()) {
-    TORCH_CHECK(!options.device_ids()->empty(), kApi,
-                ": device_ids is an empty list; pass the devices to use, or leave device_ids unset "
-                "to use every visible CUDA device");
-    device_ids_ = normalize_devices(*options.device_ids(), kApi);
-  } else if (cuda_device_count() > 0) {
-    device_ids_ = default_devices(kApi);
-  }
-  if (options.bucket_cap_mb()) {
-    autograd::bucket_bytes_from_mib(*options.bucket_cap_mb(), kApi); // checked at construction
-  }
-  if (options.cuda_graphs()) {
-    detail::check_cuda_graphs(device_ids_, kApi);
-  }
-  if (options.output_device()) {
-    TORCH_CHECK(!device_ids_.empty(), kApi, ": output_device ", *options.output_device(),
-                " was given but no device is in use (no CUDA device is visible and device_ids is "
-                "unset); pass device_ids too");
-    output_device_ = normalize_device(*options.output_device(), kApi);
-    check_output_device(device_ids_, *output_device_, kApi);
-  } else if (!device_ids_.empty()) {
-    output_device_ = device_ids_.front();
-  }
+  auto devices = detail::resolve_devices(options.device_ids(), options.output_device(),
+                                         options.bucket_cap_mb(), options.cuda_graphs(), kApi);
+  device_ids_ = std::move(devices.device_ids);
+  output_device_ = devices.output_device;
   constructed_ = options;
 }
 
@@ -196,19 +133,28 @@ NoSync::~NoSync() {
 
 std::vector<at::Tensor> DataParallelImpl::run(std::vector<at::Tensor> inputs, const Call& call,
                                               std::shared_ptr<BufferSnapshot>* buffers) {
-  for (const auto i : c10::irange(inputs.size())) {
-    TORCH_CHECK(inputs[i].defined(), kApi, ": forward argument ", i, " is an undefined tensor");
+  const Names names = [](size_t k) {
+    return c10::str("forward argument ", k);
+  };
+  step_.check_defined(inputs, names);
+  auto outputs = run_flat(
+      std::move(inputs), names,
+      [&call](torch::nn::AnyModule& m, std::vector<at::Tensor>& args, bool) {
+        return c10::IValue(call(m, args));
+      },
+      options.cuda_graphs() ? &call : nullptr, buffers);
+  std::vector<at::Tensor> tensors;
+  tensors.reserve(outputs.size());
+  for (auto& o : outputs) {
+    tensors.push_back(std::move(o).toTensor());
   }
-  std::vector<at::Tensor> outputs;
-  run_step([&](const std::vector<at::Tensor>& originals) {
-    outputs = run_here(std::move(inputs), call, originals, buffers);
-    return outputs;
-  });
-  return outputs;
+  return tensors;
 }
 
-void DataParallelImpl::run_step(
-    const std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)>& here) {
+std::vector<c10::IValue> DataParallelImpl::run_flat(std::vector<at::Tensor> inputs,
+                                                    const Names& names, const FlatCall& call,
+                                                    const Call* graph_call,
+                                                    std::shared_ptr<BufferSnapshot>* buffers) {
   check_fixed_options();
 #if TORCHDP_WITH_C10D
   const auto& group = options.process_group();
@@ -218,109 +164,75 @@ void DataParallelImpl::run_step(
   // The module's buffers, once it is on device_ids[0] (none when passing through).
   const auto originals = device_ids_.empty() ? std::vector<at::Tensor>() : ensure_placement();
 #if TORCHDP_WITH_C10D
+  bool grad_sync = false;
+  size_t bucket_bytes = autograd::kDefaultGradBucketSize;
   if (!group) {
     sync_.reset();
-    here(originals);
-    return;
+  } else {
+    if (!sync_ || sync_->group() != group) {
+      sync_ = std::make_shared<detail::ProcessGroupSync>(group, kApi);
+    }
+    // The module is on its device by now: the state is synchronised where it will run.
+    grad_sync = c10::GradMode::is_enabled() && require_backward_grad_sync_;
+    if (grad_sync && options.bucket_cap_mb()) { // checked before the module runs
+      bucket_bytes = autograd::bucket_bytes_from_mib(*options.bucket_cap_mb(), kApi);
+    }
+    sync_->before_forward(*module_, grad_sync && options.broadcast_buffers());
   }
-  if (!sync_ || sync_->group() != group) {
-    sync_ = std::make_shared<detail::ProcessGroupSync>(group, kApi);
-  }
-  // The module is on its device by now: the state is synchronised where it will run.
-  const bool grad_sync = c10::GradMode::is_enabled() && require_backward_grad_sync_;
-  // Checked before the module runs (a bad value leaves its buffers as they were).
-  const size_t bucket_bytes = grad_sync && options.bucket_cap_mb()
-                                  ? autograd::bucket_bytes_from_mib(*options.bucket_cap_mb(), kApi)
-                                  : autograd::kDefaultGradBucketSize;
-  sync_->before_forward(*module_, grad_sync && options.broadcast_buffers());
-  const auto outputs = here(originals);
-  if (grad_sync) {
-    sync_->watch(outputs, bucket_bytes);
-  }
-#else
-  here(originals);
 #endif
+  auto outputs = run_here(std::move(inputs), names, call, graph_call, originals, buffers);
+#if TORCHDP_WITH_C10D
+  if (grad_sync) {
+    std::vector<at::Tensor> watched;
+    for (const auto& o : outputs) {
+      const auto tensors = detail::tensors_of(o);
+      watched.insert(watched.end(), tensors.begin(), tensors.end());
+    }
+    sync_->watch(watched, bucket_bytes);
+  }
+#endif
+  return outputs;
 }
 
-std::vector<at::Tensor> DataParallelImpl::run_here(std::vector<at::Tensor> inputs, const Call& call,
-                                                   const std::vector<at::Tensor>& originals,
-                                                   std::shared_ptr<BufferSnapshot>* buffers) {
+std::vector<c10::IValue> DataParallelImpl::run_here(std::vector<at::Tensor> inputs,
+                                                    const Names& names, const FlatCall& call,
+                                                    const Call* graph_call,
+                                                    const std::vector<at::Tensor>& originals,
+                                                    std::shared_ptr<BufferSnapshot>* buffers) {
   if (device_ids_.empty()) {
-    return {call(any_, inputs)};
+    return {call(any_, inputs, false)};
   }
-  const auto dim = options.dim();
+  detail::Split split;
   if (device_ids_.size() == 1) {
     for (auto& x : inputs) {
       x = x.to(device_ids_.front());
     }
-    if (options.cuda_graphs()) {
-      auto outputs = run_graphed({inputs}, call);
-      if (!outputs.empty()) {
-        return outputs;
-      }
-    }
-    return {call(any_, inputs)};
+    split = {device_ids_, {std::move(inputs)}};
+  } else {
+    split = step_.split(inputs, device_ids_, options.dim(), names);
   }
-  detail::check_forward_context(kApi);
-  std::vector<std::vector<at::Tensor>> chunks(inputs.size());
-  size_t n = device_ids_.size();
-  for (const auto k : c10::irange(inputs.size())) {
-    TORCH_CHECK(inputs[k].dim() > 0, kApi, ": forward argument ", k,
-                " is a 0-dim tensor, which cannot be split along dim ", dim,
-                "; give it a batch dimension");
-    TORCH_CHECK_INDEX(dim >= -inputs[k].dim() && dim < inputs[k].dim(), kApi, ": dim ", dim,
-                      " (DataParallelOptions::dim) is out of range for forward argument ", k,
-                      " of shape ", inputs[k].sizes(), "; it must be in [", -inputs[k].dim(), ", ",
-                      inputs[k].dim() - 1, "], the dimension the batch is split along");
-    chunks[k] = autograd::scatter(inputs[k], device_ids_, std::nullopt, dim);
-    n = std::min(n, chunks[k].size());
-  }
-  if (n < device_ids_.size()) { // a small batch, or a short tensor that would drop rows
-    std::vector<std::pair<std::string, int64_t>> sizes;
-    for (const auto k : c10::irange(inputs.size())) {
-      sizes.emplace_back(c10::str("forward argument ", k), inputs[k].size(dim));
-    }
-    detail::check_chunks(sizes, n, device_ids_.size(), dim, kApi);
-  }
-  const std::vector<c10::Device> used(device_ids_.begin(), device_ids_.begin() + n);
-  std::vector<std::vector<at::Tensor>> per_replica(n); // replica i's arguments
-  for (const auto i : c10::irange(n)) {
-    per_replica[i].reserve(chunks.size());
-    for (auto& c : chunks) {
-      per_replica[i].push_back(c[i]);
-    }
-  }
-  if (options.cuda_graphs()) {
-    auto outputs = run_graphed(per_replica, call);
+  if (graph_call != nullptr) {
+    auto outputs = run_graphed(split.parts, *graph_call);
     if (!outputs.empty()) {
-      return outputs;
+      return std::vector<c10::IValue>(std::make_move_iterator(outputs.begin()),
+                                      std::make_move_iterator(outputs.end()));
     }
   }
-  std::vector<at::Tensor> outputs(n);
-  apply_replicas(
-      used,
-      [&](size_t i, torch::nn::AnyModule& replica) {
-        outputs[i] = call(replica, per_replica[i]);
-      },
-      originals, buffers);
-  return outputs;
-}
-
-void DataParallelImpl::apply_replicas(const std::vector<c10::Device>& used,
-                                      const std::function<void(size_t, torch::nn::AnyModule&)>& fn,
-                                      const std::vector<at::Tensor>& originals,
-                                      std::shared_ptr<BufferSnapshot>* buffers) {
-  std::optional<autograd::GradBucketSizeGuard> bucket_size;
-  if (options.bucket_cap_mb()) {
-    bucket_size.emplace(autograd::bucket_bytes_from_mib(*options.bucket_cap_mb(), kApi));
+  if (device_ids_.size() == 1) {
+    return {call(any_, split.parts.front(), false)};
   }
-  detail::run_with_rollback(buffer_snapshot_, originals, buffers, [&] {
-    auto replicas = replicator_->replicate(used, /*detach=*/!c10::GradMode::is_enabled());
-    parallel_run(used.size(), used, [&](size_t i) {
-      auto replica = wrap_(replicas[i]);
-      fn(i, replica);
-    });
-  });
+  std::vector<c10::IValue> outputs(split.used.size());
+  std::vector<std::shared_ptr<torch::nn::Module>> replicas;
+  step_.run(
+      split.used, originals, options.bucket_cap_mb(), buffers,
+      [&] {
+        replicas = replicator_->replicate(split.used, /*detach=*/!c10::GradMode::is_enabled());
+      },
+      [&](size_t i) {
+        auto replica = wrap_(replicas[i]);
+        outputs[i] = call(replica, split.parts[i], true);
+      });
+  return outputs;
 }
 
 std::vector<at::Tensor> DataParallelImpl::run_graphed(
@@ -347,9 +259,56 @@ at::Tensor DataParallelImpl::join(std::vector<at::Tensor> outputs,
   if (device_ids_.size() == 1) { // one device: no gather, only the move to output_device
     return outputs.front().to(*output_device_);
   }
-  return detail::gather_and_release(buffers, [&] {
+  return detail::Step::gather(buffers, [&] {
     return autograd::gather(outputs, *output_device_, options.dim());
   });
+}
+
+void DataParallelImpl::check_call(const std::type_info& output,
+                                  const std::vector<const std::type_info*>& arguments) const {
+  if (signature_.output == nullptr) {
+    return;
+  }
+  const auto& params = signature_.arguments;
+  TORCH_CHECK_TYPE(arguments.size() <= params.size(), kApi, ": forward got ", arguments.size(),
+                   " arguments ", type_list(arguments), " but the module's forward takes ",
+                   params.size(), " ", type_list(params), "; pass its arguments");
+  for (const auto k : c10::irange(arguments.size())) {
+    TORCH_CHECK_TYPE(*arguments[k] == *params[k], kApi, ": forward argument ", k, " is a ",
+                     type_name(*arguments[k]), " but the module's forward takes a ",
+                     type_name(*params[k]),
+                     " there; pass that type (each replica's module gets the argument through "
+                     "torch::nn::AnyModule, which matches types exactly)");
+  }
+  TORCH_CHECK_TYPE(output == *signature_.output, kApi, ": the module's forward returns ",
+                   type_name(*signature_.output), " but forward<", type_name(output),
+                   "> was called; call forward<", type_name(*signature_.output),
+                   ">(...) to get the gathered output in that type");
+}
+
+std::vector<c10::IValue> DataParallelImpl::run_structured(
+    c10::IValue inputs, const StructuredCall& call, std::shared_ptr<BufferSnapshot>* buffers) {
+  const Names names = [&inputs](size_t k) {
+    return detail::tensor_name(inputs, kArgumentNames, k);
+  };
+  auto tensors = detail::tensors_of(inputs);
+  step_.check_defined(tensors, names);
+  TORCH_CHECK_VALUE(!options.cuda_graphs(), kApi,
+                    ": cuda_graphs replays forwards of tensor arguments that return one tensor; "
+                    "this forward takes or returns other types. Turn cuda_graphs off, or give the "
+                    "module a forward over tensors");
+  return run_flat(
+      std::move(tensors), names,
+      [&](torch::nn::AnyModule& m, std::vector<at::Tensor>& args, bool split) {
+        // Split arguments get containers of their own; otherwise unmoved ones stay the caller's.
+        return call(m, detail::map_tensors(
+                           inputs,
+                           [&args](size_t k, const at::Tensor&) {
+                             return args[k];
+                           },
+                           /*keep_unchanged=*/!split));
+      },
+      nullptr, buffers);
 }
 
 at::Tensor parallel_loss(

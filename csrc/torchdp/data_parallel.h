@@ -7,6 +7,7 @@
 #include <torchdp/parallel_apply.h>
 #include <torchdp/process_group.h>
 #include <torchdp/replicate.h>
+#include <torchdp/step.h>
 #include <torchdp/structure.h>
 
 #include <c10/core/Device.h>
@@ -161,16 +162,6 @@ struct TensorForward : torch::nn::Module {
 /// A process group and CUDA graphs together are refused (c10::ValueError).
 void check_group_and_graphs(bool process_group, bool cuda_graphs, const char* api);
 
-/// CUDA graphs need CUDA devices (c10::ValueError) and a build with the CUDA fast paths.
-void check_cuda_graphs(const std::vector<c10::Device>& devices, const char* api);
-
-/// Refuses a split that drops rows: `chunks` (fewer than `n` devices) came from the shortest of
-/// the tensors, named with their sizes along `dim` in `sizes`, while a longer one needs more
-/// (c10::ValueError naming both). A batch smaller than the devices passes: fewer replicas run,
-/// and so does a tensor of exactly `n` rows, a value per replica (Note [Per-replica rows]).
-void check_chunks(const std::vector<std::pair<std::string, int64_t>>& sizes, size_t chunks,
-                  size_t n, int64_t dim, const char* api);
-
 /// The error for a module that is not on device_ids[0]: its `kind` ("parameter" or "buffer")
 /// `name` was found on `found`; `fix` (the front end's words) ends it.
 std::string misplaced_module_message(c10::Device target, const std::string& kind,
@@ -241,21 +232,14 @@ class DataParallelImpl : public torch::nn::Module {
   Output forward(const Args&... inputs) {
     static_assert(sizeof...(Args) > 0,
                   "torchdp::DataParallel::forward needs at least one argument");
-    if constexpr (std::is_same_v<Output, at::Tensor> &&
-                  (std::is_convertible_v<Args, at::Tensor> && ...)) {
-      check_call(typeid(Output),
-                 std::vector<const std::type_info*>(sizeof...(Args), &typeid(at::Tensor)));
-      std::shared_ptr<BufferSnapshot> buffers; // Note [Buffers of failed forwards]
-      auto outputs = run({at::Tensor(inputs)...}, make_call<Args...>(), &buffers);
+    std::shared_ptr<BufferSnapshot> buffers; // Note [Buffers of failed forwards]
+    auto outputs = run_typed<Output>(&buffers, inputs...);
+    if constexpr (kTensorForward<Output, Args...>) {
       return join(std::move(outputs), buffers);
     } else {
-      detail::check_output_type<Output>();
-      (detail::check_argument_type<Args>(), ...);
-      check_call(typeid(Output), {&typeid(Args)...});
-      std::shared_ptr<BufferSnapshot> buffers;
-      auto outputs = run_structured(detail::pack_arguments(inputs...),
-                                    make_structured_call<Output>(inputs...), &buffers);
-      return join_structured(std::move(outputs), buffers).template to<Output>();
+      return step_
+          .join(std::move(outputs), device_ids_.size(), output_device_, options.dim(), buffers)
+          .template to<Output>();
     }
   }
 
@@ -266,17 +250,10 @@ class DataParallelImpl : public torch::nn::Module {
   std::vector<Output> forward_replicas(const Args&... inputs) {
     static_assert(sizeof...(Args) > 0,
                   "torchdp::DataParallel::forward_replicas needs at least one argument");
-    if constexpr (std::is_same_v<Output, at::Tensor> &&
-                  (std::is_convertible_v<Args, at::Tensor> && ...)) {
-      check_call(typeid(Output),
-                 std::vector<const std::type_info*>(sizeof...(Args), &typeid(at::Tensor)));
-      return run({at::Tensor(inputs)...}, make_call<Args...>());
+    auto outputs = run_typed<Output>(nullptr, inputs...);
+    if constexpr (kTensorForward<Output, Args...>) {
+      return outputs;
     } else {
-      detail::check_output_type<Output>();
-      (detail::check_argument_type<Args>(), ...);
-      check_call(typeid(Output), {&typeid(Args)...});
-      auto outputs = run_structured(detail::pack_arguments(inputs...),
-                                    make_structured_call<Output>(inputs...));
       std::vector<Output> typed;
       typed.reserve(outputs.size());
       for (auto& o : outputs) {
@@ -373,45 +350,63 @@ class DataParallelImpl : public torch::nn::Module {
     };
   }
 
+  // The tensor forward (tensors in, a tensor out) or the structured one; their checks first.
+  template <typename Output, typename... Args>
+  static constexpr bool kTensorForward =
+      std::is_same_v<Output, at::Tensor> && (std::is_convertible_v<Args, at::Tensor> && ...);
+  template <typename Output, typename... Args>
+  auto run_typed(std::shared_ptr<BufferSnapshot>* buffers, const Args&... inputs) {
+    if constexpr (kTensorForward<Output, Args...>) {
+      check_call(typeid(Output),
+                 std::vector<const std::type_info*>(sizeof...(Args), &typeid(at::Tensor)));
+      return run({at::Tensor(inputs)...}, make_call<Args...>(), buffers);
+    } else {
+      detail::check_output_type<Output>();
+      (detail::check_argument_type<Args>(), ...);
+      check_call(typeid(Output), {&typeid(Args)...});
+      return run_structured(detail::pack_arguments(inputs...),
+                            make_structured_call<Output>(inputs...), buffers);
+    }
+  }
   // Fails, before anything runs, when the module's forward does not take `arguments` (decayed
   // types) or does not return `output`.
   void check_call(const std::type_info& output,
                   const std::vector<const std::type_info*>& arguments) const;
-  // run() for the structured forward: `inputs` is the packed argument tuple.
+  // The forward of tensor arguments: one output per replica; the buffer copy of Note [Buffers of
+  // failed forwards] goes to `buffers` when given (join() releases it).
+  std::vector<at::Tensor> run(std::vector<at::Tensor> inputs, const Call& call,
+                              std::shared_ptr<BufferSnapshot>* buffers = nullptr);
+  // The structured forward: `inputs` is the packed argument tuple.
   std::vector<c10::IValue> run_structured(c10::IValue inputs, const StructuredCall& call,
                                           std::shared_ptr<BufferSnapshot>* buffers = nullptr);
-  // Gathers run_structured()'s outputs; a failed gather writes the buffer copy back.
-  c10::IValue join_structured(std::vector<c10::IValue> outputs,
-                              const std::shared_ptr<BufferSnapshot>& buffers) const;
+  // Gathers run()'s outputs; a failed gather writes the buffer copy back.
+  at::Tensor join(std::vector<at::Tensor> outputs,
+                  const std::shared_ptr<BufferSnapshot>& buffers) const;
+  // Both forwards over their flat tensor inputs (Note [The step engine]): `call(module, inputs,
+  // split)` runs the module, or a replica on its part of the split inputs; `graph_call`, given
+  // with cuda_graphs, may replay the forward instead.
+  using FlatCall =
+      std::function<c10::IValue(torch::nn::AnyModule&, std::vector<at::Tensor>&, bool split)>;
+  using Names = std::function<std::string(size_t)>;
+  // The checks of the options, the placement and the process group around run_here().
+  std::vector<c10::IValue> run_flat(std::vector<at::Tensor> inputs, const Names& names,
+                                    const FlatCall& call, const Call* graph_call,
+                                    std::shared_ptr<BufferSnapshot>* buffers);
+  // The step itself: the module called directly (no devices, or one), or the step engine's
+  // split, replicas and run; `originals` are the module's buffers (ensure_placement()).
+  std::vector<c10::IValue> run_here(std::vector<at::Tensor> inputs, const Names& names,
+                                    const FlatCall& call, const Call* graph_call,
+                                    const std::vector<at::Tensor>& originals,
+                                    std::shared_ptr<BufferSnapshot>* buffers);
+  // The forward through the graphed replicas (empty when this forward runs eagerly).
+  std::vector<at::Tensor> run_graphed(const std::vector<std::vector<at::Tensor>>& chunks,
+                                      const Call& call);
 
   void init(std::shared_ptr<torch::nn::Module> module, Wrap wrap);
   // Fails when an option read at construction was changed since (see DataParallelOptions).
   void check_fixed_options() const;
   // Checks (or with place_module makes) the module's placement; returns its buffers.
   std::vector<at::Tensor> ensure_placement();
-  // The per-replica outputs; the buffer copy of Note [Buffers of failed forwards] goes to
-  // `buffers` when given.
-  std::vector<at::Tensor> run(std::vector<at::Tensor> inputs, const Call& call,
-                              std::shared_ptr<BufferSnapshot>* buffers = nullptr);
-  // run()'s checks, placement and process group around `here`, which runs the forward given the
-  // module's buffers and returns the output tensors the process group watches.
-  void run_step(const std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)>& here);
-  // The replicas' part of a forward over `used`: replicate, then fn(i, replica i) on each device,
-  // with Note [Buffers of failed forwards] (the copy of `originals` goes to `buffers` if given).
-  void apply_replicas(const std::vector<c10::Device>& used,
-                      const std::function<void(size_t, torch::nn::AnyModule&)>& fn,
-                      const std::vector<at::Tensor>& originals,
-                      std::shared_ptr<BufferSnapshot>* buffers);
-  // run() without the process group's part; `originals`: ensure_placement()'s buffers.
-  std::vector<at::Tensor> run_here(std::vector<at::Tensor> inputs, const Call& call,
-                                   const std::vector<at::Tensor>& originals,
-                                   std::shared_ptr<BufferSnapshot>* buffers);
-  // run() through the graphed replicas (empty when this forward runs eagerly).
-  std::vector<at::Tensor> run_graphed(const std::vector<std::vector<at::Tensor>>& chunks,
-                                      const Call& call);
-  // Gathers run()'s outputs; a failed gather writes the buffer copy back.
-  at::Tensor join(std::vector<at::Tensor> outputs,
-                  const std::shared_ptr<BufferSnapshot>& buffers) const;
 
   std::shared_ptr<torch::nn::Module> module_;
   detail::ForwardSignature signature_;
@@ -419,8 +414,7 @@ class DataParallelImpl : public torch::nn::Module {
   Wrap wrap_;
   std::unique_ptr<Replicator> replicator_;
   std::shared_ptr<detail::GraphedReplicas> graphed_;
-  // The buffer copy of the last forward, refreshed in place by the next (run()).
-  std::shared_ptr<BufferSnapshot> buffer_snapshot_;
+  detail::Step step_{"torchdp::DataParallel", " (DataParallelOptions::dim)"};
   std::vector<c10::Device> device_ids_;
   std::optional<c10::Device> output_device_;
   // The options read at construction, as given then (check_fixed_options).
@@ -470,22 +464,24 @@ at::Tensor data_parallel(ModuleType module, at::Tensor input,
     module->to(used.front());
     return module->forward(input.to(used.front())).to(out_device);
   }
-  std::vector<at::Tensor> chunks;
-  try {
-    chunks = autograd::scatter(input, used, std::nullopt, dim);
-  } catch (...) {
-    detail::rethrow_with_prefix(std::string(api) + ": "); // the input's errors, named by this API
-  }
-  used.resize(chunks.size(), used.front());
-  BufferSnapshot buffers(module->buffers()); // Note [Buffers of failed forwards]
-  try {
-    auto replicas = replicate(module, used);
-    auto outputs = parallel_apply(replicas, chunks, used);
+  detail::Step step(api); // Note [The step engine]
+  const auto split = step.split({input}, used, dim, [](size_t) {
+    return std::string("the input");
+  });
+  decltype(replicate(module, split.used)) replicas;
+  std::vector<at::Tensor> outputs(split.used.size());
+  std::shared_ptr<BufferSnapshot> buffers;
+  step.run(
+      split.used, module->buffers(), std::nullopt, &buffers,
+      [&] {
+        replicas = replicate(module, split.used);
+      },
+      [&](size_t i) {
+        outputs[i] = replicas[i]->forward(split.parts[i].front()).to(split.used[i]);
+      });
+  return detail::Step::gather(buffers, [&] {
     return autograd::gather(outputs, out_device, dim);
-  } catch (...) {
-    buffers.restore();
-    throw;
-  }
+  });
 }
 
 } // namespace torchdp

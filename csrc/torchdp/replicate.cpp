@@ -700,30 +700,6 @@ std::vector<std::vector<at::Tensor>> broadcast_from(const std::vector<at::Tensor
                 : autograd::broadcast_coalesced(tensors, targets);
 }
 
-void run_with_rollback(std::shared_ptr<BufferSnapshot>& slot,
-                       const std::vector<at::Tensor>& originals,
-                       std::shared_ptr<BufferSnapshot>* keep, const std::function<void()>& body) {
-  if (!slot || slot.use_count() > 1) {
-    slot = std::make_shared<BufferSnapshot>();
-  }
-  slot->take(originals);
-  const auto snapshot = slot;
-  if (keep != nullptr) {
-    *keep = snapshot;
-  }
-  try {
-    const EnclosingForwardGuard enclosing(snapshot->take_id());
-    body();
-  } catch (...) {
-    snapshot->restore();
-    snapshot->release();
-    throw;
-  }
-  if (keep == nullptr) {
-    snapshot->release(); // no gather follows: the forward is over
-  }
-}
-
 } // namespace detail
 
 } // namespace torchdp

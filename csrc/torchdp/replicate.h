@@ -132,33 +132,6 @@ namespace detail {
 /// given, gets for each of `all` the position of its tensor among them.
 std::vector<at::Tensor> distinct(const std::vector<at::Tensor>& all,
                                  std::vector<size_t>* index = nullptr);
-/// A forward's replica phase under Note [Buffers of failed forwards]: takes a snapshot of
-/// `originals` into `slot` (refreshed in place unless someone else still holds it), runs `body`
-/// (replication and the replicas' forwards) as the enclosing forward of the takes inside it
-/// (Note [Nested forwards]) and, when `body` throws, writes the copy back and rethrows. The
-/// snapshot goes to `*keep` when given (the gather that follows releases it), else is released.
-void run_with_rollback(std::shared_ptr<BufferSnapshot>& slot,
-                       const std::vector<at::Tensor>& originals,
-                       std::shared_ptr<BufferSnapshot>* keep, const std::function<void()>& body);
-/// The gather that ends a forward whose snapshot `buffers` is still held (run_with_rollback's
-/// `keep`): returns `gather()` and releases the snapshot; when `gather` throws, writes the copy
-/// back first.
-template <typename Gather>
-auto gather_and_release(const std::shared_ptr<BufferSnapshot>& buffers, Gather&& gather) {
-  try {
-    auto gathered = gather();
-    if (buffers) {
-      buffers->release();
-    }
-    return gathered;
-  } catch (...) {
-    if (buffers) {
-      buffers->restore();
-      buffers->release();
-    }
-    throw;
-  }
-}
 /// module->to(device) in place, also between backends set_data() refuses to mix (cpu and meta).
 /// Parameters stay the same tensors (and leaves); their gradients move along.
 void move_module(torch::nn::Module& module, c10::Device device);

@@ -1,16 +1,11 @@
 // torchdp::ScriptDataParallel: DataParallel's forward for scripted modules, over the structure
 // engine (Note [Nested scatter and gather]) and the ScriptReplicator.
-#include <torchdp/autograd.h>
 #include <torchdp/devices.h>
-#include <torchdp/parallel_apply.h>
 #include <torchdp/script_module.h>
 #include <torchdp/structure.h>
 
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
-#include <c10/util/irange.h>
-
-#include <algorithm>
 
 namespace torchdp {
 namespace {
@@ -19,7 +14,6 @@ constexpr const char* kApi = "torchdp::ScriptDataParallel";
 
 const detail::ValueNames kArgumentNames{"forward argument", true};
 const detail::ValueNames kKeywordNames{"keyword argument", true};
-const detail::ValueNames kOutputNames{"the output", false};
 
 c10::IValue keywords_value(const torch::jit::Kwargs& kwargs) {
   c10::impl::GenericDict dict(c10::StringType::get(), c10::AnyType::get());
@@ -54,26 +48,10 @@ ScriptDataParallel::ScriptDataParallel(torch::jit::Module module, DataParallelOp
                     "gradients yourself after the backward pass");
 #endif
   replicator_ = std::make_unique<ScriptReplicator>(module_);
-  if (options_.device_ids()) {
-    TORCH_CHECK(!options_.device_ids()->empty(), kApi,
-                ": device_ids is an empty list; pass the devices to use, or leave device_ids unset "
-                "to use every visible CUDA device");
-    device_ids_ = normalize_devices(*options_.device_ids(), kApi);
-  } else if (cuda_device_count() > 0) {
-    device_ids_ = default_devices(kApi);
-  }
-  if (options_.bucket_cap_mb()) {
-    autograd::bucket_bytes_from_mib(*options_.bucket_cap_mb(), kApi);
-  }
-  if (options_.output_device()) {
-    TORCH_CHECK(!device_ids_.empty(), kApi, ": output_device ", *options_.output_device(),
-                " was given but no device is in use (no CUDA device is visible and device_ids is "
-                "unset); pass device_ids too");
-    output_device_ = normalize_device(*options_.output_device(), kApi);
-    check_output_device(device_ids_, *output_device_, kApi);
-  } else if (!device_ids_.empty()) {
-    output_device_ = device_ids_.front();
-  }
+  auto devices = detail::resolve_devices(options_.device_ids(), options_.output_device(),
+                                         options_.bucket_cap_mb(), /*cuda_graphs=*/false, kApi);
+  device_ids_ = std::move(devices.device_ids);
+  output_device_ = devices.output_device;
 }
 
 std::vector<at::Tensor> ScriptDataParallel::parameters() const {
@@ -103,26 +81,20 @@ void ScriptDataParallel::ensure_placement() {
     module_.to(target);
     return;
   }
-  for (const auto& kind : {"parameter", "buffer"}) {
-    const bool param = std::string(kind) == "parameter";
-    const auto check = [&](const std::string& name, const at::Tensor& t) {
-      TORCH_CHECK(!off(t), kApi, ": ",
-                  detail::misplaced_module_message(
-                      target, kind, name, t.device(),
-                      c10::str("Move the module there before the forward, e.g. module.to(",
-                               "torch::Device(\"", target,
-                               "\")), or pass DataParallelOptions().place_module(true) to let "
-                               "ScriptDataParallel move it")));
-    };
-    if (param) {
-      for (const auto& p : module_.named_parameters()) {
-        check(p.name, p.value);
-      }
-    } else {
-      for (const auto& b : module_.named_buffers()) {
-        check(b.name, b.value);
-      }
-    }
+  const auto check = [&](const char* kind, const std::string& name, const at::Tensor& t) {
+    TORCH_CHECK(!off(t), kApi, ": ",
+                detail::misplaced_module_message(
+                    target, kind, name, t.device(),
+                    c10::str("Move the module there before the forward, e.g. module.to(",
+                             "torch::Device(\"", target,
+                             "\")), or pass DataParallelOptions().place_module(true) to let "
+                             "ScriptDataParallel move it")));
+  };
+  for (const auto& p : module_.named_parameters()) {
+    check("parameter", p.name, p.value);
+  }
+  for (const auto& b : module_.named_buffers()) {
+    check("buffer", b.name, b.value);
   }
 }
 
@@ -133,7 +105,6 @@ std::vector<c10::IValue> ScriptDataParallel::run(std::vector<c10::IValue> inputs
     return {module_.forward(std::move(inputs), kwargs)};
   }
   ensure_placement();
-  const auto dim = options_.dim();
   if (device_ids_.size() == 1) {
     const auto d = device_ids_.front();
     auto args =
@@ -145,40 +116,47 @@ std::vector<c10::IValue> ScriptDataParallel::run(std::vector<c10::IValue> inputs
     const auto& elements = args.toTupleRef().elements();
     return {module_.forward(std::vector<c10::IValue>(elements.begin(), elements.end()), keywords)};
   }
-  detail::check_forward_context(kApi);
+  // Note [The step engine]: the positional arguments' tensors, then the keywords'.
   const auto args_value = c10::IValue(c10::ivalue::Tuple::create(std::move(inputs)));
   const auto keywords = keywords_value(kwargs);
-  auto args = detail::scatter_value(args_value, device_ids_, dim, kApi, kArgumentNames);
-  auto keyword_parts = detail::scatter_value(keywords, device_ids_, dim, kApi, kKeywordNames);
-  const size_t n = std::min(args.size(), keyword_parts.size());
-  if (n < device_ids_.size()) { // a small batch, or a short tensor that would drop rows
-    std::vector<std::pair<std::string, int64_t>> sizes;
-    const auto add = [&sizes, dim](const at::Tensor& t, const std::function<std::string()>& name) {
-      sizes.emplace_back(name(), t.size(dim));
-    };
-    detail::for_each_tensor(args_value, kArgumentNames, add);
-    detail::for_each_tensor(keywords, kKeywordNames, add);
-    detail::check_chunks(sizes, n, device_ids_.size(), dim, kApi);
-  }
-  const std::vector<c10::Device> used(device_ids_.begin(), device_ids_.begin() + n);
-  std::optional<autograd::GradBucketSizeGuard> bucket_size;
-  if (options_.bucket_cap_mb()) {
-    bucket_size.emplace(autograd::bucket_bytes_from_mib(*options_.bucket_cap_mb(), kApi));
-  }
+  auto tensors = detail::tensors_of(args_value);
+  const size_t positional = tensors.size();
+  const auto keyword_tensors = detail::tensors_of(keywords);
+  tensors.insert(tensors.end(), keyword_tensors.begin(), keyword_tensors.end());
+  const auto split = step_.split(tensors, device_ids_, options_.dim(), [&](size_t k) {
+    return k < positional ? detail::tensor_name(args_value, kArgumentNames, k)
+                          : detail::tensor_name(keywords, kKeywordNames, k - positional);
+  });
   // Note [Buffers of failed forwards]: every tensor attribute that is not a parameter.
   std::vector<at::Tensor> originals;
   for (const auto& b : module_.buffers()) {
     originals.push_back(b);
   }
-  std::vector<c10::IValue> outputs(n);
-  detail::run_with_rollback(buffer_snapshot_, originals, buffers, [&] {
-    auto replicas = replicator_->replicate(used, /*detach=*/!c10::GradMode::is_enabled());
-    parallel_run(n, used, [&](size_t i) {
-      const auto& elements = args[i].toTupleRef().elements();
-      outputs[i] = replicas[i].forward(std::vector<c10::IValue>(elements.begin(), elements.end()),
-                                       keywords_of(keyword_parts[i]));
-    });
-  });
+  std::vector<torch::jit::Module> replicas;
+  std::vector<c10::IValue> outputs(split.used.size());
+  step_.run(
+      split.used, originals, options_.bucket_cap_mb(), buffers,
+      [&] {
+        replicas = replicator_->replicate(split.used, /*detach=*/!c10::GradMode::is_enabled());
+      },
+      [&](size_t i) {
+        const auto& part = split.parts[i];
+        const auto args = detail::map_tensors(
+            args_value,
+            [&part](size_t k, const at::Tensor&) {
+              return part[k];
+            },
+            /*keep_unchanged=*/false);
+        const auto keyword_part = detail::map_tensors(
+            keywords,
+            [&part, positional](size_t k, const at::Tensor&) {
+              return part[positional + k];
+            },
+            /*keep_unchanged=*/false);
+        const auto& elements = args.toTupleRef().elements();
+        outputs[i] = replicas[i].forward(std::vector<c10::IValue>(elements.begin(), elements.end()),
+                                         keywords_of(keyword_part));
+      });
   return outputs;
 }
 
@@ -191,15 +169,8 @@ c10::IValue ScriptDataParallel::forward(std::vector<c10::IValue> inputs,
                                         const torch::jit::Kwargs& kwargs) {
   std::shared_ptr<BufferSnapshot> buffers; // Note [Buffers of failed forwards]
   auto outputs = run(std::move(inputs), kwargs, &buffers);
-  if (device_ids_.empty()) {
-    return std::move(outputs.front());
-  }
-  if (device_ids_.size() == 1) {
-    return detail::to_device(outputs.front(), *output_device_, kApi, kOutputNames);
-  }
-  return detail::gather_and_release(buffers, [&] {
-    return detail::gather_value(outputs, *output_device_, options_.dim(), kApi, kOutputNames);
-  });
+  return step_.join(std::move(outputs), device_ids_.size(), output_device_, options_.dim(),
+                    buffers);
 }
 
 } // namespace torchdp

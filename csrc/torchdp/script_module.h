@@ -151,7 +151,7 @@ class ScriptDataParallel {
   torch::jit::Module module_;
   DataParallelOptions options_;
   std::unique_ptr<ScriptReplicator> replicator_;
-  std::shared_ptr<BufferSnapshot> buffer_snapshot_;
+  detail::Step step_{"torchdp::ScriptDataParallel", " (DataParallelOptions::dim)"};
   std::vector<c10::Device> device_ids_;
   std::optional<c10::Device> output_device_;
 };

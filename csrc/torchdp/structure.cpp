@@ -74,112 +74,13 @@ c10::IValue make_tuple(const c10::IValue& like, std::vector<c10::IValue> element
   return c10::ivalue::Tuple::create(std::move(elements));
 }
 
-struct Scatterer {
-  const std::vector<c10::Device>& devices;
-  int64_t dim;
+// The replicas' outputs zipped along replica 0's structure (checked alike): one column of
+// tensors per tensor of replica 0, in for_each_tensor's order.
+struct Zipper {
   const char* api;
   const ValueNames& names;
   std::vector<Segment> path;
-
-  std::string name() const {
-    return format_path(names, path);
-  }
-
-  // The values for each replica: chunk count of the fewest-chunk tensor, or devices.size() copies
-  // when `v` holds no tensor (`has_tensors` false).
-  std::vector<c10::IValue> run(const c10::IValue& v, bool& has_tensors) {
-    const size_t n = devices.size();
-    if (v.isTensor()) {
-      has_tensors = true;
-      const auto& t = v.toTensor();
-      TORCH_CHECK(t.defined(), api, ": ", name(), " is an undefined tensor");
-      TORCH_CHECK(t.dim() > 0, api, ": ", name(),
-                  " is a 0-dim tensor, which cannot be split along dim ", dim,
-                  "; give it a batch dimension");
-      TORCH_CHECK_INDEX(dim >= -t.dim() && dim < t.dim(), api, ": dim ", dim,
-                        " is out of range for ", name(), " of shape ", t.sizes(),
-                        "; it must be in [", -t.dim(), ", ", t.dim() - 1,
-                        "], the dimension the batch is split along");
-      auto chunks = autograd::scatter(t, devices, std::nullopt, dim);
-      return std::vector<c10::IValue>(std::make_move_iterator(chunks.begin()),
-                                      std::make_move_iterator(chunks.end()));
-    }
-    if (v.isTuple() || v.isList()) {
-      const bool tuple = v.isTuple();
-      const auto elements = tuple
-                                ? c10::ArrayRef<c10::IValue>(v.toTupleRef().elements().asArrayRef())
-                                : v.toListRef();
-      std::vector<std::vector<c10::IValue>> parts(elements.size());
-      size_t count = n;
-      for (const auto k : c10::irange(elements.size())) {
-        bool inner = false;
-        path.emplace_back(k);
-        parts[k] = run(elements[k], inner);
-        path.pop_back();
-        if (inner) {
-          has_tensors = true;
-          count = std::min(count, parts[k].size());
-        }
-      }
-      std::vector<c10::IValue> out;
-      out.reserve(count);
-      for (const auto i : c10::irange(count)) {
-        std::vector<c10::IValue> members;
-        members.reserve(parts.size());
-        for (auto& p : parts) {
-          members.push_back(std::move(p[i]));
-        }
-        if (tuple) {
-          out.push_back(make_tuple(v, std::move(members)));
-        } else {
-          c10::impl::GenericList list(v.toList().elementType());
-          list.reserve(members.size());
-          for (auto& m : members) {
-            list.push_back(std::move(m));
-          }
-          out.emplace_back(std::move(list));
-        }
-      }
-      return out;
-    }
-    if (v.isGenericDict()) {
-      const auto dict = v.toGenericDict();
-      std::vector<c10::IValue> keys;
-      std::vector<std::vector<c10::IValue>> parts;
-      size_t count = n;
-      for (const auto& entry : dict) {
-        bool inner = false;
-        path.emplace_back(entry.key());
-        parts.push_back(run(entry.value(), inner));
-        path.pop_back();
-        keys.push_back(entry.key());
-        if (inner) {
-          has_tensors = true;
-          count = std::min(count, parts.back().size());
-        }
-      }
-      std::vector<c10::IValue> out;
-      out.reserve(count);
-      for (const auto i : c10::irange(count)) {
-        c10::impl::GenericDict copy(dict.keyType(), dict.valueType());
-        copy.reserve(keys.size());
-        for (const auto k : c10::irange(keys.size())) {
-          copy.insert(keys[k], std::move(parts[k][i]));
-        }
-        out.emplace_back(std::move(copy));
-      }
-      return out;
-    }
-    return std::vector<c10::IValue>(n, v); // passed to every replica as it is
-  }
-};
-
-struct Gatherer {
-  c10::Device destination;
-  int64_t dim;
-  const char* api;
-  const ValueNames& names;
-  std::vector<Segment> path;
+  std::vector<std::vector<at::Tensor>> columns;
 
   std::string name() const {
     return format_path(names, path);
@@ -192,7 +93,7 @@ struct Gatherer {
                       "along dim, other values must be equal)");
   }
 
-  c10::IValue run(const std::vector<c10::IValue>& outs) {
+  void zip(const std::vector<c10::IValue>& outs) {
     const auto& first = outs[0];
     if (first.isTensor()) {
       std::vector<at::Tensor> tensors;
@@ -205,16 +106,8 @@ struct Gatherer {
                     " returned an undefined tensor at ", name(), ", which cannot be gathered");
         tensors.push_back(outs[i].toTensor());
       }
-      try {
-        return autograd::gather(tensors, destination, dim);
-      } catch (...) {
-        rethrow_with_prefix(c10::str(api, ": cannot gather ", name(), ": "));
-      }
-    }
-    if (first.isNone()) {
-      return first; // as Python's gather: None whatever the others returned
-    }
-    if (first.isTuple() || first.isList()) {
+      columns.push_back(std::move(tensors));
+    } else if (first.isTuple() || first.isList()) {
       const bool tuple = first.isTuple();
       const size_t size = tuple ? first.toTupleRef().size() : first.toListRef().size();
       for (const auto i : c10::irange(outs.size())) {
@@ -224,36 +117,22 @@ struct Gatherer {
           mismatch(outs, i);
         }
       }
-      std::vector<c10::IValue> members;
-      members.reserve(size);
       std::vector<c10::IValue> column(outs.size());
       for (const auto k : c10::irange(size)) {
         for (const auto i : c10::irange(outs.size())) {
           column[i] = tuple ? outs[i].toTupleRef().elements()[k] : outs[i].toListRef()[k];
         }
         path.emplace_back(k);
-        members.push_back(run(column));
+        zip(column);
         path.pop_back();
       }
-      if (tuple) {
-        return make_tuple(first, std::move(members));
-      }
-      c10::impl::GenericList list(first.toList().elementType());
-      list.reserve(members.size());
-      for (auto& m : members) {
-        list.push_back(std::move(m));
-      }
-      return list;
-    }
-    if (first.isGenericDict()) {
+    } else if (first.isGenericDict()) {
       const auto dict = first.toGenericDict();
       for (const auto i : c10::irange(outs.size())) {
         if (!outs[i].isGenericDict() || outs[i].toGenericDict().size() != dict.size()) {
           mismatch(outs, i);
         }
       }
-      c10::impl::GenericDict joined(dict.keyType(), dict.valueType());
-      joined.reserve(dict.size());
       std::vector<c10::IValue> column(outs.size());
       for (const auto& entry : dict) {
         for (const auto i : c10::irange(outs.size())) {
@@ -266,52 +145,126 @@ struct Gatherer {
           column[i] = it->value();
         }
         path.emplace_back(entry.key());
-        joined.insert(entry.key(), run(column));
+        zip(column);
         path.pop_back();
       }
-      return joined;
-    }
-    for (const auto i : c10::irange(outs.size())) {
-      const bool same =
-          outs[i].isSameIdentity(first) || (outs[i].tagKind() == first.tagKind() &&
-                                            (first.isInt() || first.isDouble() || first.isBool() ||
-                                             first.isString() || first.isDevice()) &&
-                                            outs[i] == first);
-      if (!same) {
-        mismatch(outs, i);
+    } else if (!first.isNone()) { // None is kept, as Python's gather, whatever the others gave
+      for (const auto i : c10::irange(outs.size())) {
+        const bool same = outs[i].isSameIdentity(first) ||
+                          (outs[i].tagKind() == first.tagKind() &&
+                           (first.isInt() || first.isDouble() || first.isBool() ||
+                            first.isString() || first.isDevice()) &&
+                           outs[i] == first);
+        if (!same) {
+          mismatch(outs, i);
+        }
       }
     }
-    return first;
   }
 };
 
 } // namespace
 
+std::vector<std::vector<at::Tensor>> scatter_tensors(const std::vector<at::Tensor>& tensors,
+                                                     const std::vector<c10::Device>& devices,
+                                                     int64_t dim, const char* api,
+                                                     const std::function<std::string(size_t)>& name,
+                                                     const char* dim_note) {
+  std::vector<std::vector<at::Tensor>> chunks(tensors.size());
+  for (const auto k : c10::irange(tensors.size())) {
+    const auto& t = tensors[k];
+    TORCH_CHECK(t.defined(), api, ": ", name(k), " is an undefined tensor");
+    TORCH_CHECK(t.dim() > 0, api, ": ", name(k),
+                " is a 0-dim tensor, which cannot be split along dim ", dim,
+                "; give it a batch dimension");
+    TORCH_CHECK_INDEX(dim >= -t.dim() && dim < t.dim(), api, ": dim ", dim, dim_note,
+                      " is out of range for ", name(k), " of shape ", t.sizes(),
+                      "; it must be in [", -t.dim(), ", ", t.dim() - 1,
+                      "], the dimension the batch is split along");
+    try {
+      chunks[k] = autograd::scatter(t, devices, std::nullopt, dim);
+    } catch (...) {
+      rethrow_with_prefix(c10::str(api, ": cannot split ", name(k), ": "));
+    }
+  }
+  return chunks;
+}
+
 std::vector<c10::IValue> scatter_value(const c10::IValue& input,
                                        const std::vector<c10::Device>& devices_in, int64_t dim,
                                        const char* api, const ValueNames& names) {
   const auto devices = normalize_devices(devices_in, api);
-  Scatterer s{devices, dim, api, names, {}};
-  bool has_tensors = false;
-  return s.run(input, has_tensors);
+  const auto tensors = tensors_of(input);
+  const auto chunks = scatter_tensors(tensors, devices, dim, api, [&](size_t k) {
+    return tensor_name(input, names, k);
+  });
+  size_t count = devices.size();
+  for (const auto& c : chunks) {
+    count = std::min(count, c.size());
+  }
+  std::vector<c10::IValue> out;
+  out.reserve(count);
+  for (const auto i : c10::irange(count)) {
+    out.push_back(map_tensors(
+        input,
+        [&](size_t k, const at::Tensor&) {
+          return chunks[k][i];
+        },
+        /*keep_unchanged=*/false));
+  }
+  return out;
 }
 
 c10::IValue gather_value(const std::vector<c10::IValue>& outputs, c10::Device destination,
                          int64_t dim, const char* api, const ValueNames& names) {
   TORCH_CHECK(!outputs.empty(), api, ": got no outputs to gather; pass one per replica");
-  Gatherer g{normalize_device(destination, api), dim, api, names, {}};
-  return g.run(outputs);
+  const auto to = normalize_device(destination, api);
+  Zipper z{api, names, {}, {}};
+  z.zip(outputs);
+  std::vector<at::Tensor> joined;
+  joined.reserve(z.columns.size());
+  for (const auto k : c10::irange(z.columns.size())) {
+    try {
+      joined.push_back(autograd::gather(z.columns[k], to, dim));
+    } catch (...) {
+      rethrow_with_prefix(
+          c10::str(api, ": cannot gather ", tensor_name(outputs[0], names, k), ": "));
+    }
+  }
+  return map_tensors(
+      outputs[0],
+      [&joined](size_t k, const at::Tensor&) {
+        return joined[k];
+      },
+      /*keep_unchanged=*/false);
 }
 
 c10::IValue to_device(const c10::IValue& value, c10::Device device, const char* api,
                       const ValueNames& names) {
-  std::vector<Segment> path;
-  std::function<c10::IValue(const c10::IValue&)> move = [&](const c10::IValue& v) -> c10::IValue {
+  return map_tensors(
+      value,
+      [&](size_t k, const at::Tensor& t) {
+        TORCH_CHECK(t.defined(), api, ": ", tensor_name(value, names, k),
+                    " is an undefined tensor");
+        return detail::canonical(t.device()) == device ? t : t.to(device);
+      },
+      /*keep_unchanged=*/true);
+}
+
+c10::IValue map_tensors(const c10::IValue& value,
+                        const std::function<at::Tensor(size_t, const at::Tensor&)>& fn,
+                        bool keep_unchanged) {
+  size_t next = 0;
+  std::function<c10::IValue(const c10::IValue&)> rebuild =
+      [&](const c10::IValue& v) -> c10::IValue {
     if (v.isTensor()) {
       const auto& t = v.toTensor();
-      TORCH_CHECK(t.defined(), api, ": ", format_path(names, path), " is an undefined tensor");
-      return detail::canonical(t.device()) == device ? v : c10::IValue(t.to(device));
+      auto mapped = fn(next++, t);
+      return keep_unchanged && mapped.unsafeGetTensorImpl() == t.unsafeGetTensorImpl()
+                 ? v
+                 : c10::IValue(std::move(mapped));
     }
+    bool changed = !keep_unchanged;
     if (v.isTuple() || v.isList()) {
       const bool tuple = v.isTuple();
       const auto elements = tuple
@@ -319,12 +272,9 @@ c10::IValue to_device(const c10::IValue& value, c10::Device device, const char* 
                                 : v.toListRef();
       std::vector<c10::IValue> members;
       members.reserve(elements.size());
-      bool changed = false;
-      for (const auto k : c10::irange(elements.size())) {
-        path.emplace_back(k);
-        members.push_back(move(elements[k]));
-        path.pop_back();
-        changed = changed || !members.back().isSameIdentity(elements[k]);
+      for (const auto& e : elements) {
+        members.push_back(rebuild(e));
+        changed = changed || !members.back().isSameIdentity(e);
       }
       if (!changed) {
         return v;
@@ -333,6 +283,7 @@ c10::IValue to_device(const c10::IValue& value, c10::Device device, const char* 
         return make_tuple(v, std::move(members));
       }
       c10::impl::GenericList list(v.toList().elementType());
+      list.reserve(members.size());
       for (auto& m : members) {
         list.push_back(std::move(m));
       }
@@ -341,19 +292,17 @@ c10::IValue to_device(const c10::IValue& value, c10::Device device, const char* 
     if (v.isGenericDict()) {
       const auto dict = v.toGenericDict();
       c10::impl::GenericDict copy(dict.keyType(), dict.valueType());
-      bool changed = false;
+      copy.reserve(dict.size());
       for (const auto& entry : dict) {
-        path.emplace_back(entry.key());
-        auto moved = move(entry.value());
-        path.pop_back();
-        changed = changed || !moved.isSameIdentity(entry.value());
-        copy.insert(entry.key(), std::move(moved));
+        auto member = rebuild(entry.value());
+        changed = changed || !member.isSameIdentity(entry.value());
+        copy.insert(entry.key(), std::move(member));
       }
       return changed ? c10::IValue(copy) : v;
     }
-    return v;
+    return v; // passed as it is (to every replica, when scattering)
   };
-  return move(value);
+  return rebuild(value);
 }
 
 void for_each_tensor(
@@ -392,6 +341,17 @@ std::vector<at::Tensor> tensors_of(const c10::IValue& value) {
     out.push_back(t);
   });
   return out;
+}
+
+std::string tensor_name(const c10::IValue& value, const ValueNames& names, size_t k) {
+  std::string found;
+  size_t seen = 0;
+  for_each_tensor(value, names, [&](const at::Tensor&, const std::function<std::string()>& name) {
+    if (seen++ == k) {
+      found = name();
+    }
+  });
+  return found;
 }
 
 } // namespace detail

@@ -29,7 +29,9 @@
 // (numbers, strings, None, objects) goes to every replica as it is, and containers are rebuilt
 // per replica. Unlike Python, an empty container does not cut the replicas to zero: it holds no
 // tensor, so every replica gets an empty one. Gather joins tensors, keeps None, and keeps any
-// other value that every replica returned alike (Python fails on those).
+// other value that every replica returned alike (Python fails on those). One walk each way:
+// for_each_tensor flattens a value into its tensors, map_tensors rebuilds it around new ones
+// (scatter splits the flat list, as the step engine does: Note [The step engine]).
 
 namespace torchdp {
 
@@ -123,6 +125,15 @@ struct ValueNames {
   bool arguments = false;
 };
 
+/// Splits each of `tensors` along `dim` over `devices` (torch.chunk's split, differentiable):
+/// chunks[k] for tensor k. Errors name `api` and the tensor as `name(k)`, the dim followed by
+/// `dim_note` (where it came from).
+std::vector<std::vector<at::Tensor>> scatter_tensors(const std::vector<at::Tensor>& tensors,
+                                                     const std::vector<c10::Device>& devices,
+                                                     int64_t dim, const char* api,
+                                                     const std::function<std::string(size_t)>& name,
+                                                     const char* dim_note = "");
+
 /// scatter() naming `api` and the values as `names` say in its errors.
 std::vector<c10::IValue> scatter_value(const c10::IValue& input,
                                        const std::vector<c10::Device>& devices, int64_t dim,
@@ -145,6 +156,16 @@ void for_each_tensor(
 
 /// The tensors inside `value`, in order.
 std::vector<at::Tensor> tensors_of(const c10::IValue& value);
+
+/// `value` with its tensor k (for_each_tensor's order) replaced by `fn(k, tensor)`: the way back
+/// from a flat list of tensors. Containers are rebuilt (named tuples keep their type) unless, with
+/// `keep_unchanged`, none of their tensors changed; other values are kept as they are.
+c10::IValue map_tensors(const c10::IValue& value,
+                        const std::function<at::Tensor(size_t, const at::Tensor&)>& fn,
+                        bool keep_unchanged);
+
+/// The name of tensor k of `value` (for_each_tensor's order), for an error message.
+std::string tensor_name(const c10::IValue& value, const ValueNames& names, size_t k);
 
 } // namespace detail
 

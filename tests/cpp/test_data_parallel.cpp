@@ -615,6 +615,114 @@ TEST_CASE("a failed forward leaves the buffers as they were", "[cpu][data_parall
   CHECK(net->bn->num_batches_tracked.item<int64_t>() == 2);
 }
 
+// An in-place counter and an output that cannot be gathered from the replica whose chunk starts
+// with 99 (one column instead of the input's), in the tensor and the structured forward.
+struct GatherFailsImpl : torch::nn::Cloneable<GatherFailsImpl> {
+  GatherFailsImpl() {
+    reset();
+  }
+  void reset() override {
+    calls = register_buffer("calls", torch::zeros({}, torch::kLong));
+  }
+  static torch::Tensor output(const torch::Tensor& x) {
+    return x[0][0].item<float>() == 99.F ? x.narrow(1, 0, 1) * 2 : x * 2;
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    calls.add_(1);
+    return output(x);
+  }
+  torch::Tensor calls;
+};
+TORCH_MODULE(GatherFails);
+
+struct GatherFailsStructuredImpl : torch::nn::Cloneable<GatherFailsStructuredImpl> {
+  GatherFailsStructuredImpl() {
+    reset();
+  }
+  void reset() override {
+    calls = register_buffer("calls", torch::zeros({}, torch::kLong));
+  }
+  std::vector<torch::Tensor> forward(const std::vector<torch::Tensor>& xs) {
+    calls.add_(1);
+    return {GatherFailsImpl::output(xs.front())};
+  }
+  torch::Tensor calls;
+};
+TORCH_MODULE(GatherFailsStructured);
+
+TEST_CASE("a failed gather leaves the buffers as they were", "[cpu][data_parallel]") {
+  // Note [Buffers of failed forwards], through each front end of the step engine.
+  GatherFails net;
+  GatherFailsStructured structured;
+  torchdp::DataParallel dp(net, on(cpu_devices(2)));
+  torchdp::DataParallel dp_structured(structured, on(cpu_devices(2)));
+  const int front = GENERATE(0, 1, 2);
+  auto run = [&](const torch::Tensor& x) {
+    if (front == 0) {
+      return dp->forward(x);
+    }
+    if (front == 1) {
+      return torchdp::data_parallel(net, x, cpu_devices(2));
+    }
+    return dp_structured->forward<std::vector<torch::Tensor>>(std::vector<torch::Tensor>{x})
+        .front();
+  };
+  const auto& calls = front == 2 ? structured->calls : net->calls;
+  const auto x = torch::randn({4, 3});
+  CHECK(torch::allclose(run(x), x * 2));
+  CHECK(calls.item<int64_t>() == 1);
+  auto failing = torch::randn({4, 3});
+  failing[2][0] = 99; // replica 1's chunk
+  CHECK_THROWS(run(failing));
+  CHECK(calls.item<int64_t>() == 1);
+  run(x);
+  CHECK(calls.item<int64_t>() == 2);
+}
+
+TEST_CASE("the step engine writes the buffers back when a step fails", "[cpu][data_parallel]") {
+  // Note [The step engine]: a failing replica, then a failing gather, then a step that succeeds.
+  torchdp::detail::Step step("torchdp::test");
+  auto buffer = torch::zeros({2});
+  const auto names = [](size_t k) {
+    return c10::str("input ", k);
+  };
+  const auto split =
+      step.split({torch::ones({4, 2}), torch::ones({4, 1})}, cpu_devices(2), 0, names);
+  REQUIRE(split.used.size() == 2);
+  REQUIRE(split.parts.size() == 2);
+  CHECK(split.parts[1].size() == 2);
+  CHECK(split.parts[1][0].size(0) == 2);
+  const auto add_one = [&](size_t i) {
+    if (i == 0) {
+      buffer.add_(1);
+    }
+  };
+  TORCHDP_CHECK_THROWS_WITH(step.run(
+                                split.used, {buffer}, std::nullopt, nullptr, [] {},
+                                [&](size_t i) {
+                                  add_one(i);
+                                  if (i == 1) {
+                                    throw std::runtime_error("replica failure");
+                                  }
+                                }),
+                            "in replica 1", "replica failure");
+  CHECK(torch::equal(buffer, torch::zeros({2})));
+  std::shared_ptr<torchdp::BufferSnapshot> kept;
+  step.run(split.used, {buffer}, std::nullopt, &kept, [] {}, add_one);
+  CHECK_THROWS(torchdp::detail::Step::gather(kept, []() -> int {
+    throw std::runtime_error("gather failure");
+  }));
+  CHECK(torch::equal(buffer, torch::zeros({2})));
+  step.run(split.used, {buffer}, std::nullopt, &kept, [] {}, add_one);
+  CHECK(torchdp::detail::Step::gather(kept, [] {
+          return 7;
+        }) == 7);
+  CHECK(torch::equal(buffer, torch::ones({2})));
+  TORCHDP_CHECK_THROWS_WITH(
+      step.split({torch::ones({4, 2}), torch::ones({1, 2})}, cpu_devices(2), 0, names),
+      "torchdp::test", "input 0 has 4", "input 1 has 1");
+}
+
 TEST_CASE("a first forward under inference mode, then training", "[cpu][data_parallel]") {
   // The kept buffer copy is made of normal tensors, which later forwards refresh in place.
   CountsAndFails net;

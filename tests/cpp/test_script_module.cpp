@@ -278,6 +278,25 @@ TEST_CASE("ScriptDataParallel errors name the API and the fix", "[cpu][script]")
     dp.forward({torch::ones({4, 2})});
     CHECK(m.attr("calls").toTensor().item<double>() == 1);
   }
+  SECTION("a failing gather leaves the buffers as they were") {
+    torch::jit::Module m(c10::QualifiedName("__torch__.torchdp_test.GatherFails"));
+    m.register_parameter("w", torch::ones({1}).requires_grad_(), false);
+    m.register_buffer("calls", torch::zeros({1}));
+    m.define(R"JIT(
+def forward(self, x):
+    self.calls.add_(1)
+    if bool(x[0, 0] == 99.0):
+        return x[:, 0:1] * self.w
+    return x * self.w
+)JIT");
+    torchdp::ScriptDataParallel dp(m, on(cpu_devices(2)));
+    auto x = torch::ones({4, 2});
+    x[2][0] = 99; // replica 1 returns one column, which cannot be joined
+    CHECK_THROWS(dp.forward({x}));
+    CHECK(m.attr("calls").toTensor().item<double>() == 0);
+    dp.forward({torch::ones({4, 2})});
+    CHECK(m.attr("calls").toTensor().item<double>() == 1);
+  }
 }
 
 TEST_CASE("ScriptDataParallel trains on one GPU listed twice", "[cuda][script]") {
