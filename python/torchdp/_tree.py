@@ -231,7 +231,7 @@ def _flatten(obj: Any, leaves: list[Any]) -> Spec | None:
         leaves.append(obj)
         return None
     children, rebuild, context = found
-    return Spec(type(obj), context, rebuild, tuple(_flatten(c, leaves) for c in children))
+    return Spec(type(obj), context, rebuild, tuple([_flatten(c, leaves) for c in children]))
 
 
 def flatten(obj: Any) -> tuple[list[Any], Spec | None]:

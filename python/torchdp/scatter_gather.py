@@ -226,7 +226,7 @@ class _Join:
     def _node(
         self, cls: type, context: Any, rebuild: Callable[[list[Any]], Any], groups: Any
     ) -> _tree.Spec:
-        return _tree.Spec(cls, context, rebuild, tuple(self.pair(group) for group in groups))
+        return _tree.Spec(cls, context, rebuild, tuple([self.pair(group) for group in groups]))
 
     def _pair_registered(self, outputs: Sequence[Any], registered: Any) -> _tree.Spec:
         """A pytree-registered type: its children gathered, the object rebuilt from them."""
@@ -430,9 +430,14 @@ def gather(outputs: Any, target_device: DeviceLike, dim: int = 0) -> Any:
         raise ValueError(
             "torchdp.gather: expected one output per replica, got an empty sequence of outputs"
         )
-    join = _Join(target, _check_dim(dim, "torchdp.gather"))
-    spec = join.pair(outputs)
-    result = _tree.unflatten(spec, join.join())
+    dim = _check_dim(dim, "torchdp.gather")
+    if all(isinstance(o, torch.Tensor) for o in outputs):  # the common case, with no walk
+        target.used = True
+        result = _C.gather(list(outputs), target.device, dim, True)
+    else:
+        join = _Join(target, dim)
+        spec = join.pair(outputs)
+        result = _tree.unflatten(spec, join.join())
     if target.minus_one and target.used:
         # torch.cuda.comm.gather's warning, once per call (PyTorch warns once per tensor).
         warnings.warn(
