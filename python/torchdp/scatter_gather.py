@@ -172,19 +172,16 @@ class _ObjectGatherError(TypeError):
 
 class _Join:
     """One gather: the replicas' outputs paired by the tree's rule (Note [The Python tree]) into
-    the gathered structure's leaves and spec, the tensors joined in one call into C++ at the end.
-    A tensor's place among the leaves is its group's index until then; ``owners`` are the
-    (object, attribute) pairs of the objects split by attributes around it, for the message when
-    it cannot be joined."""
+    the gathered structure's leaves and spec, the tensors joined in one call into C++ at the end
+    (``places``: where each group's tensor goes among the leaves)."""
 
-    __slots__ = ("dim", "groups", "leaves", "owners", "places", "target")
+    __slots__ = ("dim", "groups", "leaves", "places", "target")
 
     def __init__(self, target: _GatherTarget, dim: int) -> None:
         self.target, self.dim = target, dim
         self.leaves: list[Any] = []
         self.groups: list[list[torch.Tensor]] = []
-        self.places: list[tuple[int, tuple[tuple[type, str], ...]]] = []
-        self.owners: list[tuple[type, str]] = []
+        self.places: list[int] = []
 
     def pair(self, outputs: Sequence[Any]) -> _tree.Spec | None:
         """The spec of the gathered ``outputs``, their leaves appended to ``self.leaves``."""
@@ -193,7 +190,7 @@ class _Join:
             for i, other in enumerate(outputs):
                 if not isinstance(other, torch.Tensor):
                     raise _mismatch(outputs, i)
-            self.places.append((len(self.leaves), tuple(self.owners)))
+            self.places.append(len(self.leaves))
             self.leaves.append(None)
             self.groups.append(list(outputs))
             return None
@@ -317,7 +314,6 @@ class _Join:
             if _tree.is_scalar_tensor(first) or isinstance(first, _tree.CONSTANTS):
                 fixed[key] = self._object_scalar(cls, key, values)
                 continue
-            self.owners.append((cls, key))
             try:
                 children.append(self.pair(values))
             except _ObjectGatherError as e:
@@ -326,8 +322,6 @@ class _Join:
                 raise
             except (TypeError, ValueError) as e:
                 raise _ObjectGatherError(cls, key, f"cannot be joined: {e}", self.dim) from e
-            finally:
-                self.owners.pop()
             names.append(key)
             has_tensors = has_tensors or isinstance(first, torch.Tensor)
         for key, first in states[0].items():
@@ -362,31 +356,13 @@ class _Join:
         return first.to(self.target.device) if _tree.is_scalar_tensor(first) else first
 
     def join(self) -> list[Any]:
-        """The leaves with every group of tensors joined, in one call into C++."""
-        if not self.groups:
-            return self.leaves
-        self.target.used = True
-        device, dim = self.target.device, self.dim
-        try:
-            joined = _C.gather_leaves(self.groups, device, dim)
-        except (TypeError, ValueError) as e:
-            if not any(owners for _, owners in self.places):
-                raise
-            # Which tensor, inside which object's attribute: joined one by one to tell.
-            for group, (_, owners) in zip(self.groups, self.places, strict=True):
-                try:
-                    _C.gather(group, device, dim, True)
-                except (TypeError, ValueError) as failed:
-                    if not owners:
-                        raise
-                    error = _ObjectGatherError(
-                        owners[0][0], owners[-1][1], f"cannot be joined: {failed}", dim
-                    )
-                    error.path = [key for _, key in owners]
-                    raise error from failed
-            raise
-        for (place, _), tensor in zip(self.places, joined, strict=True):
-            self.leaves[place] = tensor
+        """The leaves with every group of tensors joined, in one call into C++ (whose errors,
+        RuntimeErrors, name the tensor's index and shape)."""
+        if self.groups:
+            self.target.used = True
+            joined = _C.gather_leaves(self.groups, self.target.device, self.dim)
+            for place, tensor in zip(self.places, joined, strict=True):
+                self.leaves[place] = tensor
         return self.leaves
 
 

@@ -165,14 +165,7 @@ def test_both_languages_scatter_and_gather_alike(case):
     cpp = torchdp_testing.structure_scatter(value, devices)
     assert len(cpp) == len(python) == case.replicas
     for mine, theirs in zip(python, cpp, strict=True):
-        a = _tree.flatten(mine)[0]
-        b = _tree.flatten(theirs)[0]
-        assert len(a) == len(b)
-        for x, y in zip(a, b, strict=True):
-            if isinstance(x, torch.Tensor):
-                torch.testing.assert_close(x, y, rtol=0, atol=0)
-            else:
-                assert x == y
+        _assert_leaves_equal(theirs, mine)
     if case.round_trip:
         joined = torchdp_testing.structure_gather(list(python), CPU)
         _assert_leaves_equal(joined, torchdp.gather(python, CPU))
