@@ -13,6 +13,7 @@
 #include <c10/util/Exception.h>
 #include <c10/util/irange.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -324,6 +325,44 @@ when a device of the list holds data).)doc");
         py::arg("tensors"), py::arg("destination"), py::arg("dim") = 0,
         py::arg("differentiable") = true,
         "Concatenates ``tensors`` along ``dim`` on ``destination``.");
+
+  m.def("scatter_leaves",
+        without_gil([](const std::vector<at::Tensor>& tensors,
+                       const std::vector<c10::Device>& devices, int64_t dim) {
+          // One autograd::scatter per tensor; replica i gets chunk i of each, for as many
+          // replicas as the tensor with the fewest chunks gives (zip's truncation).
+          std::vector<std::vector<at::Tensor>> chunks;
+          chunks.reserve(tensors.size());
+          size_t n = devices.size();
+          for (const auto& tensor : tensors) {
+            chunks.push_back(torchdp::autograd::scatter(tensor, devices, std::nullopt, dim));
+            n = std::min(n, chunks.back().size());
+          }
+          std::vector<std::vector<at::Tensor>> per_replica(n);
+          for (const auto i : c10::irange(n)) {
+            per_replica[i].reserve(chunks.size());
+            for (auto& tensor_chunks : chunks) {
+              per_replica[i].push_back(std::move(tensor_chunks[i]));
+            }
+          }
+          return per_replica;
+        }),
+        py::arg("tensors"), py::arg("devices"), py::arg("dim") = 0,
+        "Differentiable ``scatter`` of every tensor at once: one list of chunks per replica, "
+        "as many replicas as the fewest chunks of a tensor.");
+
+  m.def("gather_leaves",
+        without_gil([](const std::vector<std::vector<at::Tensor>>& groups,
+                       c10::Device destination, int64_t dim) {
+          std::vector<at::Tensor> out;
+          out.reserve(groups.size());
+          for (const auto& group : groups) {
+            out.push_back(torchdp::autograd::gather(group, destination, dim));
+          }
+          return out;
+        }),
+        py::arg("groups"), py::arg("destination"), py::arg("dim") = 0,
+        "Differentiable ``gather`` of each group of tensors (one from each replica) at once.");
 
   m.def("parallel_apply", &parallel_apply, py::arg("fns"), py::arg("devices"),
         py::arg("serial") = false,

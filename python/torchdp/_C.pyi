@@ -51,6 +51,16 @@ def gather(
     differentiable: bool = True,
 ) -> Tensor: ...
 
+# scatter() of every tensor: one list of chunks per replica, as many as the fewest chunks.
+def scatter_leaves(
+    tensors: Sequence[Tensor], devices: Sequence[torch.device], dim: int = 0
+) -> list[list[Tensor]]: ...
+
+# gather() of each group (one tensor per replica), differentiably.
+def gather_leaves(
+    groups: Sequence[Sequence[Tensor]], destination: torch.device, dim: int = 0
+) -> list[Tensor]: ...
+
 # fns[i]() on worker i (fns[0], or all with serial=True, on the caller) with devices[i] and the
 # caller's stream/grad/autocast state; re-raises the lowest-index exception as is, Ctrl-C at once.
 def parallel_apply(

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchdp._tree import is_namedtuple
+
 __all__ = [
     "STALE_ATTRIBUTE_POLICIES",
     "check_stale_attribute_policy",
@@ -90,13 +92,17 @@ class _Replica:
 
 def map_state(value: Any, leaf: Any, where: str, depth: int = 0) -> Any:
     """``value`` with ``leaf(x, where)`` applied to its tensors and modules, also in lists, tuples,
-    dicts and deques up to _MAX_DEPTH deep; containers are rebuilt, typed alike, only if changed."""
+    dicts and deques up to _MAX_DEPTH deep; containers are rebuilt, typed alike, only if changed.
+
+    A walk of a module's own state, not of inputs or outputs, so not the tree's (Note [The Python
+    tree]): modules are leaves too, the depth is bounded (state may hold anything, cycles
+    included), and an unchanged container must stay the very object the replica shares."""
     if isinstance(value, (torch.Tensor, nn.Module)):
         return leaf(value, where)
     if depth >= _MAX_DEPTH:
         return value
     cls = type(value)
-    if cls is list or cls is tuple or _is_namedtuple(value) or isinstance(value, deque):
+    if cls is list or cls is tuple or is_namedtuple(value) or isinstance(value, deque):
         items = [map_state(v, leaf, f"{where}[{i}]", depth + 1) for i, v in enumerate(value)]
         if all(a is b for a, b in zip(items, value, strict=True)):
             return value
@@ -115,10 +121,6 @@ def map_state(value: Any, leaf: Any, where: str, depth: int = 0) -> Any:
         fixed.update(pairs)
         return fixed
     return value
-
-
-def _is_namedtuple(value: Any) -> bool:
-    return isinstance(value, tuple) and hasattr(type(value), "_fields")
 
 
 def _message(

@@ -12,13 +12,17 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from torchdp import _C
 from torchdp._attributes import map_state, plain_attributes
+from torchdp._tree import CONSTANTS
 from torchdp.replicate import replicate
-from torchdp.scatter_gather import GATHER_CONSTANTS
 
 _API = "torchdp.DataParallel(cuda_graphs=True)"
 MAX_SIGNATURES = 8
+# Inputs and outputs are flattened with torch.utils._pytree, not torchdp._tree (Note [The Python
+# tree]): the specs are kept per signature for the replays and their text is part of the key,
+# and a pytree TreeSpec holds only types and contexts, where a tree Spec rebuilds from the
+# containers it was made from (holding the capture's tensors).
 # Output leaves other than tensors that a replay may hand back as they were at the capture.
-_CONSTANT_TYPES = (type(None), torch.Size, *GATHER_CONSTANTS)
+_CONSTANT_TYPES = (type(None), torch.Size, *CONSTANTS)
 _TENSOR = object()  # a tensor's place among the leaves
 
 

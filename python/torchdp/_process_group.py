@@ -8,9 +8,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
 
-from torchdp import _C
+from torchdp import _C, _tree
 
 
 def check_process_group(group: Any, api: str) -> Any:
@@ -81,31 +80,27 @@ def _sparse_flags(module: nn.Module, params: list[torch.Tensor]) -> list[bool]:
 
 
 def _tensors_in(obj: Any) -> list[torch.Tensor]:
-    """The tensors in a forward's output: in containers, dataclasses and pytree types, any depth."""
+    """The tensors in a forward's output: the tree's leaves (Note [The Python tree]) and, unlike
+    scatter, which passes them whole as PyTorch does, the fields of unregistered dataclasses:
+    every tensor the backward pass can reach must be watched."""
     found: list[torch.Tensor] = []
     seen: set[int] = set()
 
     def walk(o: Any) -> None:
-        if isinstance(o, torch.Tensor):
-            found.append(o)
-            return
-        if id(o) in seen:
-            return
-        seen.add(id(o))
-        if isinstance(o, (list, tuple)):
-            for v in o:
-                walk(v)
-        elif isinstance(o, dict):
-            for v in o.values():
-                walk(v)
-        elif dataclasses.is_dataclass(o) and not isinstance(o, type):
-            for f in dataclasses.fields(o):
-                walk(getattr(o, f.name, None))
-        else:
-            leaves = tree_leaves(o)
-            if not (len(leaves) == 1 and leaves[0] is o):
-                for v in leaves:
-                    walk(v)
+        for leaf in _tree.flatten(o)[0]:
+            if isinstance(leaf, torch.Tensor):
+                found.append(leaf)
+            elif _unseen_dataclass(leaf, seen):
+                for f in dataclasses.fields(leaf):
+                    walk(getattr(leaf, f.name, None))
 
     walk(obj)
     return found
+
+
+def _unseen_dataclass(obj: Any, seen: set[int]) -> bool:
+    """Whether ``obj`` is a dataclass instance not walked yet (now marked as walked)."""
+    if not dataclasses.is_dataclass(obj) or isinstance(obj, type) or id(obj) in seen:
+        return False
+    seen.add(id(obj))
+    return True

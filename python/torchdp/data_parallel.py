@@ -20,7 +20,7 @@ from torch._utils import (
     _get_device_index,
 )
 
-from torchdp import _C
+from torchdp import _C, _tree
 from torchdp._attributes import check_stale_attribute_policy
 from torchdp._devices import (
     DeviceLike,
@@ -41,7 +41,7 @@ from torchdp.replicate import (
     _replicate,
     replicate,
 )
-from torchdp.scatter_gather import _parts, gather, scatter_kwargs
+from torchdp.scatter_gather import gather, scatter_kwargs
 
 __all__ = ["DataParallel", "data_parallel"]
 
@@ -100,16 +100,12 @@ def _run_replicated(
 
 
 def _tensor_sizes(obj: Any, path: str, dim: int, out: list[tuple[str, int]]) -> None:
-    """(path, size along dim) of the tensors that scatter splits, walked by scatter's rules."""
-    if isinstance(obj, torch.Tensor):
-        if obj.dim() > 0:
-            out.append((path, obj.shape[dim] if -obj.dim() <= dim < obj.dim() else 0))
-        return
-    parts = _parts(obj, labelled=True)
-    if parts is not None:
-        labels, children, _ = parts
-        for label, child in zip(labels or [], children, strict=True):
-            _tensor_sizes(child, path + label, dim, out)
+    """(path, size along dim) of the tensors that scatter splits (Note [The Python tree])."""
+    leaves: list[tuple[str, Any]] = []
+    _tree.paths(obj, path, leaves)
+    for where, leaf in leaves:
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            out.append((where, leaf.shape[dim] if -leaf.dim() <= dim < leaf.dim() else 0))
 
 
 def _padding(chunks: Sequence[Any], side: type) -> int:
@@ -616,14 +612,16 @@ def _first_compiled_call(module: nn.Module, inputs: Sequence[Any], kwargs: Any) 
 
 
 def _signature(value: Any) -> Any:
-    """What a compiled call is specialised on: tensor metadata, structure, other values' types."""
-    if isinstance(value, torch.Tensor):
-        return (tuple(value.shape), value.dtype, value.device)
-    if isinstance(value, (list, tuple)):
-        return (type(value), tuple(_signature(v) for v in value))
-    if isinstance(value, dict):
-        return (type(value), tuple((k, _signature(v)) for k, v in value.items()))
-    return type(value)
+    """What a compiled call is specialised on: structure (Note [The Python tree]), tensor
+    metadata, the other leaves' types."""
+    leaves, spec = _tree.flatten(value)
+    return (
+        None if spec is None else spec.key(),
+        tuple(
+            (tuple(v.shape), v.dtype, v.device) if isinstance(v, torch.Tensor) else type(v)
+            for v in leaves
+        ),
+    )
 
 
 def _holds_compiled(module: nn.Module) -> bool:

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch._utils import ExceptionWrapper
 
-from torchdp import _C
+from torchdp import _C, _tree
 from torchdp._devices import DeviceLike, _device_label, _to_device
 
 __all__ = ["get_a_var", "parallel_apply"]
@@ -27,15 +27,9 @@ def record_function(name: str) -> contextlib.AbstractContextManager[Any]:
 
 
 def get_a_var(obj: Any) -> torch.Tensor | None:
-    """The first tensor found in :attr:`obj` (tensors, lists, tuples, dict items), or ``None``."""
-    if isinstance(obj, torch.Tensor):
-        return obj
-    if isinstance(obj, (list, tuple, dict)):
-        for item in obj.items() if isinstance(obj, dict) else obj:
-            found = get_a_var(item)
-            if found is not None:
-                return found
-    return None
+    """The first tensor found in :attr:`obj` (a tensor, or inside the containers that scatter
+    splits: lists, tuples, dicts, pytree types), or ``None``."""
+    return _tree.first_tensor(obj)
 
 
 class _Failure:

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import cmath
-import collections
 import copy
-import enum
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, overload
@@ -13,7 +11,7 @@ from typing import Any, TypeVar, overload
 import torch
 from torch.utils import _pytree
 
-from torchdp import _C
+from torchdp import _C, _tree
 from torchdp._devices import DeviceLike, _check_dim, _to_device, _to_devices
 
 __all__ = ["scatter", "scatter_kwargs", "gather"]
@@ -21,166 +19,25 @@ __all__ = ["scatter", "scatter_kwargs", "gather"]
 _SCATTER = "torchdp.scatter"
 
 
-def _is_namedtuple(obj: Any) -> bool:
-    return isinstance(obj, tuple) and hasattr(obj, "_asdict") and hasattr(obj, "_fields")
-
-
-def _holds(rebuilt: dict[Any, Any], items: dict[Any, Any]) -> bool:
-    """Whether ``rebuilt`` holds exactly ``items``, in order and by identity."""
-    return list(dict.keys(rebuilt)) == list(items) and all(
-        dict.__getitem__(rebuilt, k) is v for k, v in items.items()
-    )
-
-
-def _rebuild_dict(like: dict[Any, Any], pairs: Any, api: str) -> dict[Any, Any]:
-    """A dict of ``like``'s type holding ``pairs``, built the way that type builds itself.
-
-    The one rule of scatter and gather for mappings. Its constructor from a dict comes first
-    (Hugging Face's ``ModelOutput``, attribute dicts: their attribute views follow). A type whose
-    constructor takes other arguments (``defaultdict``) or changes the values is rebuilt from a
-    shallow copy by item assignment, so its own ``__setitem__`` still runs.
-    """
-    cls = type(like)
-    if cls is dict or cls is collections.OrderedDict:
-        return cls(pairs)
-    items = dict(pairs)  # a gather's values first: their errors are not the rebuild's
-    try:
-        rebuilt = cls(items)
-        if type(rebuilt) is cls and _holds(rebuilt, items):
-            return rebuilt
-    except Exception:
-        pass
-    try:
-        rebuilt = copy.copy(like)
-        dict.clear(rebuilt)
-        for key, value in items.items():
-            rebuilt[key] = value
-    except Exception as e:
-        raise TypeError(
-            f"{api}: cannot rebuild a {cls.__module__}.{cls.__qualname__} per replica: neither "
-            f"{cls.__qualname__}(dict) nor item assignment into a copy of it works ({e}); pass a "
-            "plain dict instead"
-        ) from e
-    return rebuilt
-
-
-# Note [Objects split by their attributes]
-# Some objects carry per-sample state in their attributes rather than in a container: the KV caches
-# of Hugging Face transformers (a Cache holding a list of layers, each holding keys and values of
-# shape [batch, heads, seq, dim] next to per-layer scalars such as the sliding window, the tokens
-# seen, a 0-dim window tensor). PyTorch passes them whole to every replica and gathers them through
-# their iteration, which stacks the per-layer scalars into vectors. torchdp splits and joins them
-# attribute by attribute: tensors with a batch dimension split and concatenate along dim; 0-dim
-# tensors are per-object scalars, copied to each replica and kept as one by gather when every
-# replica holds the same; other values follow scatter's and gather's rules (containers walked,
-# equal constants kept); a torch.device attribute follows the object's tensors. The classes are
-# found by name in the class's MRO, so torchdp needs no import of theirs.
-SPLIT_BY_ATTRIBUTES = frozenset(
-    {
-        "transformers.cache_utils.Cache",
-        "transformers.cache_utils.CacheLayerMixin",
-        "transformers.cache_utils.LinearAttentionCacheLayerMixin",
-    }
-)
-_by_attributes_cache: dict[type, bool] = {}
-
-
-def _splits_by_attributes(obj: Any) -> bool:
-    cls = type(obj)
-    known = _by_attributes_cache.get(cls)
-    if known is None:
-        known = hasattr(obj, "__dict__") and any(
-            f"{c.__module__}.{c.__qualname__}" in SPLIT_BY_ATTRIBUTES for c in cls.__mro__
-        )
-        _by_attributes_cache[cls] = known
-    return known
-
-
-def _is_scalar_tensor(value: Any) -> bool:
-    return isinstance(value, torch.Tensor) and value.dim() == 0
-
-
-def _object_parts(obj: Any) -> tuple[list[str], list[Any], Callable[[list[Any]], Any]]:
-    """Scatter's parts of an object split by its attributes (Note [Objects split by their
-    attributes]): the attributes that split; the rebuild copies the object and sets them."""
-    attributes = dict(vars(obj))
-    names = [
-        k
-        for k, v in attributes.items()
-        if not _is_scalar_tensor(v) and (isinstance(v, torch.Tensor) or _parts(v) is not None)
-    ]
-
-    def rebuild(children: list[Any]) -> Any:
-        new = copy.copy(obj)
-        state = vars(new)
-        for key, value in attributes.items():
-            if isinstance(value, (dict, list, set)):  # an empty one: each replica its own
-                state[key] = copy.copy(value)
-        state.update(zip(names, children, strict=True))
-        device = next(
-            (c.device for c in children if isinstance(c, torch.Tensor) and c.dim() > 0), None
-        )
-        for key, value in attributes.items():
-            if _is_scalar_tensor(value):  # each replica its own (in-place updates)
-                state[key] = value.to(device or value.device, copy=True)
-            elif isinstance(value, torch.device) and device is not None:
-                state[key] = device
-        return new
-
-    return [f".{k}" for k in names], [attributes[k] for k in names], rebuild
-
-
-def _parts(
-    obj: Any, labelled: bool = False
-) -> tuple[list[str] | None, list[Any], Callable[[list[Any]], Any]] | None:
-    """What scatter splits ``obj`` into: (labels, children, rebuild), or ``None`` for a leaf;
-    the children's labels (``[0]``, ``['key']``, ``.field``) only when ``labelled``.
-
-    The one walk of scatter's rules, shared with DataParallel's check for short tensors.
-    """
-    if isinstance(obj, (tuple, list)) and (len(obj) > 0 or _is_namedtuple(obj)):
-        labels = [f"[{i}]" for i in range(len(obj))] if labelled else None
-        if _is_namedtuple(obj):
-            return labels, list(obj), lambda c: type(obj)(*c)
-        return labels, list(obj), tuple if isinstance(obj, tuple) else list
-    if _splits_by_attributes(obj):
-        labels, children, rebuild = _object_parts(obj)
-        return (labels if labelled else None), children, rebuild
-    if isinstance(obj, dict):
-        if not obj:
-            return None
-        keys = list(obj)
-        labels = [f"[{k!r}]" for k in keys] if labelled else None
-        return labels, list(obj.values()), lambda c: _rebuild_dict(obj, zip(keys, c), _SCATTER)
-    node = _pytree.SUPPORTED_NODES.get(type(obj))
-    if node is None:
-        return None
-    # Split field by field, as gather takes it apart: PyTorch passes it whole to every replica,
-    # so the gathered result would hold n copies.
-    children, context = node.flatten_fn(obj)
-    if not children:
-        return None
-    labels = None
-    if labelled and node.flatten_with_keys_fn is not None:  # field names (its context differs)
-        labels = [str(k) for k, _ in node.flatten_with_keys_fn(obj)[0]]
-    elif labelled:
-        labels = [f"[{i}]" for i in range(len(children))]
-    return labels, list(children), lambda c: node.unflatten_fn(c, context)
-
-
 def _scatter_map(obj: Any, devices: list[torch.device], dim: int) -> Any:
-    # A plain recursive function (not a closure), so no reference cycle is left behind.
+    """Scatter by the tree's rule (Note [The Python tree]): every tensor leaf split in one call
+    into C++, one structure rebuilt per chunk around its chunks and the other leaves."""
     if isinstance(obj, torch.Tensor):
         return tuple(_C.scatter(obj, devices, None, dim, True))
-    parts = _parts(obj)
-    if parts is None:
+    leaves, spec = _tree.flatten(obj)
+    if spec is None:
         # None, numbers, strings, empty containers, other objects: by reference.
         return [obj for _ in devices]
-    _, children, rebuild = parts
-    if not children:  # an object split by its attributes that holds no batch yet: one copy each
-        return [rebuild([]) for _ in devices]
-    split = [_scatter_map(child, devices, dim) for child in children]
-    return [rebuild(list(chunk)) for chunk in zip(*split, strict=False)]
+    where = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    if not where:  # no batch: one rebuilt structure per device
+        return [_tree.unflatten(spec, leaves) for _ in devices]
+    per_replica = _C.scatter_leaves([leaves[i] for i in where], devices, dim)
+    out = []
+    for chunks in per_replica:
+        for i, chunk in zip(where, chunks, strict=True):
+            leaves[i] = chunk
+        out.append(_tree.unflatten(spec, leaves))
+    return out
 
 
 T = TypeVar("T", dict, list, tuple)
@@ -279,22 +136,6 @@ class _GatherTarget:
             self.device = _to_device(target_device, "torchdp.gather")
 
 
-# Leaves other than tensors that gather passes through when every replica returned an equal one.
-GATHER_CONSTANTS = (
-    bool,
-    int,
-    float,
-    complex,
-    str,
-    bytes,
-    torch.dtype,
-    torch.device,
-    torch.layout,
-    torch.memory_format,
-    enum.Enum,
-)
-
-
 def _same_constant(a: Any, b: Any) -> bool:
     if isinstance(a, (float, complex)) and cmath.isnan(a) and cmath.isnan(b):  # NaN equals NaN
         return True
@@ -329,109 +170,80 @@ class _ObjectGatherError(TypeError):
         )
 
 
-def _gather_object(outputs: Sequence[Any], target: _GatherTarget, dim: int) -> Any:
-    """The replicas' objects split by their attributes joined into one (Note [Objects split by
-    their attributes])."""
-    out = outputs[0]
-    cls = type(out)
-    states = [vars(o) for o in outputs]
-    for i, (o, state) in enumerate(zip(outputs, states, strict=True)):
-        if type(o) is not cls or state.keys() != states[0].keys():
-            raise TypeError(
-                f"torchdp.gather: replica 0 returned a {cls.__qualname__} and replica {i} a "
-                f"{type(o).__qualname__} with other attributes; every replica must return the "
-                "same structure"
-            )
-    new = copy.copy(out)
-    joined = vars(new)
-    has_tensors = False
-    for key in states[0]:
-        values = [state[key] for state in states]
-        first = values[0]
-        if all(v is first for v in values) and not isinstance(first, torch.Tensor):
-            continue  # one object for all (a class, a shared setting): kept as it is
-        if isinstance(first, torch.device):
-            continue  # follows the tensors, below
-        if _is_scalar_tensor(first) or isinstance(first, GATHER_CONSTANTS):
-            # A per-object scalar (tokens seen, a window): one value, the same in every replica.
-            same = all(
-                type(v) is type(first)
-                and (
-                    v.dtype == first.dtype and v.item() == first.item()
-                    if _is_scalar_tensor(v)
-                    else _same_constant(v, first)
-                )
-                for v in values
-            )
-            if not same:
-                shown = [v.item() if _is_scalar_tensor(v) else v for v in values]
-                raise _ObjectGatherError(cls, key, f"differs between replicas ({shown})", dim)
-            joined[key] = first.to(target.device) if _is_scalar_tensor(first) else first
-            continue
-        try:
-            joined[key] = _gather_map(values, target, dim)
-        except _ObjectGatherError as e:
-            e.cls = cls
-            e.path.insert(0, key)
-            raise
-        except (TypeError, ValueError) as e:
-            raise _ObjectGatherError(cls, key, f"cannot be joined: {e}", dim) from e
-        has_tensors = has_tensors or isinstance(first, torch.Tensor)
-    for key, first in states[0].items():
-        if isinstance(first, torch.device):
-            same = all(state[key] == first for state in states)
-            joined[key] = target.device if has_tensors or not same else first
-    return new
+class _Join:
+    """One gather: the replicas' outputs paired by the tree's rule (Note [The Python tree]) into
+    the gathered structure's leaves and spec, the tensors joined in one call into C++ at the end
+    (``places``: where each group's tensor goes among the leaves)."""
 
+    __slots__ = ("dim", "groups", "leaves", "places", "target")
 
-def _gather_map(outputs: Sequence[Any], target: _GatherTarget, dim: int) -> Any:
-    out = outputs[0]
-    if isinstance(out, torch.Tensor):
+    def __init__(self, target: _GatherTarget, dim: int) -> None:
+        self.target, self.dim = target, dim
+        self.leaves: list[Any] = []
+        self.groups: list[list[torch.Tensor]] = []
+        self.places: list[int] = []
+
+    def pair(self, outputs: Sequence[Any]) -> _tree.Spec | None:
+        """The spec of the gathered ``outputs``, their leaves appended to ``self.leaves``."""
+        out = outputs[0]
+        if isinstance(out, torch.Tensor):
+            for i, other in enumerate(outputs):
+                if not isinstance(other, torch.Tensor):
+                    raise _mismatch(outputs, i)
+            self.places.append(len(self.leaves))
+            self.leaves.append(None)
+            self.groups.append(list(outputs))
+            return None
         for i, other in enumerate(outputs):
-            if not isinstance(other, torch.Tensor):
+            # PyTorch would drop these tensors (None in output 0) or cut them into rows.
+            if isinstance(other, torch.Tensor):
                 raise _mismatch(outputs, i)
-        target.used = True
-        return _C.gather(list(outputs), target.device, dim, True)
-    for i, other in enumerate(outputs):
-        # PyTorch would drop these tensors (None in output 0) or cut them into rows (a sequence).
-        if isinstance(other, torch.Tensor):
-            raise _mismatch(outputs, i)
-    if out is None:
-        return None
-    if isinstance(out, GATHER_CONSTANTS):
-        # Equal constants pass through; PyTorch fails or turns strings into a map object's text.
-        if all(type(o) is type(out) and _same_constant(o, out) for o in outputs):
-            return out
-        raise TypeError(
-            f"torchdp.gather: replica outputs of type {type(out).__qualname__} differ between "
-            f"replicas ({', '.join(f'{o!r:.30}' for o in outputs)}) and cannot be concatenated; "
-            "return tensors instead (e.g. torch.tensor(value)), or use torchdp.DataParallel "
-            "with gather_output=False to get the per-replica outputs as they are"
-        )
-    if _splits_by_attributes(out):
-        return _gather_object(outputs, target, dim)
-    node = _pytree.SUPPORTED_NODES.get(type(out))
-    if node is not None and not isinstance(out, (dict, list, tuple)):
-        # A pytree-registered type: its children are gathered and the object rebuilt from them.
-        flat = [node.flatten_fn(o) if type(o) is type(out) else None for o in outputs]
+        if out is None or isinstance(out, _tree.CONSTANTS):
+            self.leaves.append(None if out is None else _constant(outputs))
+            return None
+        if _tree.splits_by_attributes(out):
+            return self._pair_object(outputs)
+        registered = _pytree.SUPPORTED_NODES.get(type(out))
+        if registered is not None and not isinstance(out, (dict, list, tuple)):
+            return self._pair_registered(outputs, registered)
+        if not hasattr(out, "__iter__"):
+            # Replica 0's object would silently drop the others' tensors; PyTorch fails too.
+            raise TypeError(
+                f"torchdp.gather: a replica output holds a {type(out).__module__}."
+                f"{type(out).__qualname__} object, which gather cannot take apart; return "
+                "tensors, tuples, lists, dicts or named tuples of them, register its type with "
+                "torch.utils._pytree (a dataclass: torch.utils._pytree.register_dataclass), or "
+                "use torchdp.DataParallel with gather_output=False to get the per-replica outputs "
+                "as they are"
+            )
+        if isinstance(out, dict):
+            return self._pair_dict(outputs)
+        return self._pair_sequence(outputs)
+
+    def _node(
+        self, cls: type, context: Any, rebuild: Callable[[list[Any]], Any], groups: Any
+    ) -> _tree.Spec:
+        return _tree.Spec(cls, context, rebuild, tuple([self.pair(group) for group in groups]))
+
+    def _pair_registered(self, outputs: Sequence[Any], registered: Any) -> _tree.Spec:
+        """A pytree-registered type: its children gathered, the object rebuilt from them."""
+        out = outputs[0]
+        flat = [registered.flatten_fn(o) if type(o) is type(out) else None for o in outputs]
         if any(f is None or f[1] != flat[0][1] for f in flat):
             raise TypeError(
                 f"torchdp.gather: the replicas' {type(out).__qualname__} outputs differ in type "
                 "or structure; every replica must return the same structure"
             )
-        children = [_gather_map(group, target, dim) for group in zip(*(f[0] for f in flat))]
-        return node.unflatten_fn(children, flat[0][1])
-    if not hasattr(out, "__iter__"):
-        # Replica 0's object would silently drop the others' tensors; PyTorch fails here too.
-        raise TypeError(
-            f"torchdp.gather: a replica output holds a {type(out).__module__}."
-            f"{type(out).__qualname__} object, which gather cannot take apart; return tensors, "
-            "tuples, lists, dicts or named tuples of them, register its type with "
-            "torch.utils._pytree (a dataclass: torch.utils._pytree.register_dataclass), or use "
-            "torchdp.DataParallel with gather_output=False to get the per-replica outputs as they "
-            "are"
+        context = flat[0][1]
+        return self._node(
+            type(out),
+            context,
+            lambda c: registered.unflatten_fn(c, context),
+            zip(*(f[0] for f in flat)),
         )
-    if isinstance(out, dict):
+
+    def _pair_dict(self, outputs: Sequence[Any]) -> _tree.Spec:
+        out = outputs[0]
         for i, d in enumerate(outputs):
             if not isinstance(d, dict):
                 raise _mismatch(outputs, i)
@@ -440,31 +252,131 @@ def _gather_map(outputs: Sequence[Any], target: _GatherTarget, dim: int) -> Any:
         for i, d in enumerate(outputs):
             if d.keys() != out.keys():
                 raise ValueError(
-                    f"torchdp.gather: the replicas returned dicts with different keys: replica 0 "
-                    f"has {list(out)}, replica {i} has {list(d)}; every replica must return the "
-                    "same keys"
+                    f"torchdp.gather: the replicas returned dicts with different keys: replica "
+                    f"0 has {list(out)}, replica {i} has {list(d)}; every replica must return "
+                    "the same keys"
                 )
-        pairs = ((k, _gather_map([d[k] for d in outputs], target, dim)) for k in out)
-        return _rebuild_dict(out, pairs, "torchdp.gather")
-    if hasattr(out, "__next__") or isinstance(out, (set, frozenset)):
-        # Iterators are consumed by taking them apart; sets have no order to pair items by.
-        raise TypeError(
-            f"torchdp.gather: a replica output is a {type(out).__qualname__}, which gather cannot "
-            "pair item by item across replicas; return a tuple or list instead (e.g. "
-            "tuple(generator))"
+        keys = tuple(out)
+        return self._node(
+            type(out),
+            keys,
+            lambda c: _tree.rebuild_dict(out, zip(keys, c), "torchdp.gather"),
+            ([d[k] for d in outputs] for k in keys),
         )
-    for i, other in enumerate(outputs):
-        if not hasattr(other, "__len__"):
-            raise _mismatch(outputs, i)
-    lengths = [len(o) for o in outputs]
-    if any(n != lengths[0] for n in lengths):
-        # PyTorch's zip drops the longer outputs' extra items without a word.
-        raise ValueError(
-            f"torchdp.gather: the replicas returned {type(out).__qualname__} outputs of different "
-            f"lengths {lengths}; every replica must return the same structure"
+
+    def _pair_sequence(self, outputs: Sequence[Any]) -> _tree.Spec:
+        out = outputs[0]
+        if hasattr(out, "__next__") or isinstance(out, (set, frozenset)):
+            # Iterators are consumed by taking them apart; sets have no order to pair items by.
+            raise TypeError(
+                f"torchdp.gather: a replica output is a {type(out).__qualname__}, which gather "
+                "cannot pair item by item across replicas; return a tuple or list instead (e.g. "
+                "tuple(generator))"
+            )
+        for i, other in enumerate(outputs):
+            if not hasattr(other, "__len__"):
+                raise _mismatch(outputs, i)
+        lengths = [len(o) for o in outputs]
+        if any(n != lengths[0] for n in lengths):
+            # PyTorch's zip drops the longer outputs' extra items without a word.
+            raise ValueError(
+                f"torchdp.gather: the replicas returned {type(out).__qualname__} outputs of "
+                f"different lengths {lengths}; every replica must return the same structure"
+            )
+        cls = type(out)
+        rebuild = cls._make if _tree.is_namedtuple(out) else cls
+        return self._node(cls, None, rebuild, zip(*outputs, strict=True))
+
+    def _pair_object(self, outputs: Sequence[Any]) -> _tree.Spec:
+        """The replicas' objects split by their attributes joined into one (Note [Objects split
+        by their attributes])."""
+        out = outputs[0]
+        cls = type(out)
+        states = [vars(o) for o in outputs]
+        for i, (o, state) in enumerate(zip(outputs, states, strict=True)):
+            if type(o) is not cls or state.keys() != states[0].keys():
+                raise TypeError(
+                    f"torchdp.gather: replica 0 returned a {cls.__qualname__} and replica {i} a "
+                    f"{type(o).__qualname__} with other attributes; every replica must return the "
+                    "same structure"
+                )
+        fixed: dict[str, Any] = {}  # attributes known now; the others are the node's children
+        names: list[str] = []
+        children: list[_tree.Spec | None] = []
+        has_tensors = False
+        for key in states[0]:
+            values = [state[key] for state in states]
+            first = values[0]
+            if all(v is first for v in values) and not isinstance(first, torch.Tensor):
+                continue  # one object for all (a class, a shared setting): kept as it is
+            if isinstance(first, torch.device):
+                continue  # follows the tensors, below
+            if _tree.is_scalar_tensor(first) or isinstance(first, _tree.CONSTANTS):
+                fixed[key] = self._object_scalar(cls, key, values)
+                continue
+            try:
+                children.append(self.pair(values))
+            except _ObjectGatherError as e:
+                e.cls = cls
+                e.path.insert(0, key)
+                raise
+            except (TypeError, ValueError) as e:
+                raise _ObjectGatherError(cls, key, f"cannot be joined: {e}", self.dim) from e
+            names.append(key)
+            has_tensors = has_tensors or isinstance(first, torch.Tensor)
+        for key, first in states[0].items():
+            if isinstance(first, torch.device):
+                same = all(state[key] == first for state in states)
+                fixed[key] = self.target.device if has_tensors or not same else first
+
+        def rebuild(joined: list[Any]) -> Any:
+            new = copy.copy(out)
+            state = vars(new)
+            state.update(fixed)
+            state.update(zip(names, joined, strict=True))
+            return new
+
+        return _tree.Spec(cls, tuple(names), rebuild, tuple(children))
+
+    def _object_scalar(self, cls: type, key: str, values: list[Any]) -> Any:
+        """A per-object scalar (tokens seen, a window): one value, the same in every replica."""
+        first = values[0]
+        same = all(
+            type(v) is type(first)
+            and (
+                v.dtype == first.dtype and v.item() == first.item()
+                if _tree.is_scalar_tensor(v)
+                else _same_constant(v, first)
+            )
+            for v in values
         )
-    items = (_gather_map(group, target, dim) for group in zip(*outputs, strict=True))
-    return type(out)._make(items) if _is_namedtuple(out) else type(out)(items)
+        if not same:
+            shown = [v.item() if _tree.is_scalar_tensor(v) else v for v in values]
+            raise _ObjectGatherError(cls, key, f"differs between replicas ({shown})", self.dim)
+        return first.to(self.target.device) if _tree.is_scalar_tensor(first) else first
+
+    def join(self) -> list[Any]:
+        """The leaves with every group of tensors joined, in one call into C++ (whose errors,
+        RuntimeErrors, name the tensor's index and shape)."""
+        if self.groups:
+            self.target.used = True
+            joined = _C.gather_leaves(self.groups, self.target.device, self.dim)
+            for place, tensor in zip(self.places, joined, strict=True):
+                self.leaves[place] = tensor
+        return self.leaves
+
+
+def _constant(outputs: Sequence[Any]) -> Any:
+    """Equal constants pass through; PyTorch fails or turns strings into a map object's text."""
+    out = outputs[0]
+    if all(type(o) is type(out) and _same_constant(o, out) for o in outputs):
+        return out
+    raise TypeError(
+        f"torchdp.gather: replica outputs of type {type(out).__qualname__} differ between "
+        f"replicas ({', '.join(f'{o!r:.30}' for o in outputs)}) and cannot be concatenated; "
+        "return tensors instead (e.g. torch.tensor(value)), or use torchdp.DataParallel "
+        "with gather_output=False to get the per-replica outputs as they are"
+    )
 
 
 def gather(outputs: Any, target_device: DeviceLike, dim: int = 0) -> Any:
@@ -494,7 +406,14 @@ def gather(outputs: Any, target_device: DeviceLike, dim: int = 0) -> Any:
         raise ValueError(
             "torchdp.gather: expected one output per replica, got an empty sequence of outputs"
         )
-    result = _gather_map(outputs, target, _check_dim(dim, "torchdp.gather"))
+    dim = _check_dim(dim, "torchdp.gather")
+    if all(isinstance(o, torch.Tensor) for o in outputs):  # the common case, with no walk
+        target.used = True
+        result = _C.gather(list(outputs), target.device, dim, True)
+    else:
+        join = _Join(target, dim)
+        spec = join.pair(outputs)
+        result = _tree.unflatten(spec, join.join())
     if target.minus_one and target.used:
         # torch.cuda.comm.gather's warning, once per call (PyTorch warns once per tensor).
         warnings.warn(
