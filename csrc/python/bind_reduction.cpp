@@ -13,14 +13,16 @@ namespace py = pybind11;
 namespace torchdp::python {
 
 void init_reduction(py::module_& m) {
-  m.def("loss_reductions", [] {
-    std::vector<std::string> names;
-    for (const auto reduction : kLossReductions) {
-      names.emplace_back(loss_reduction_name(reduction));
-    }
-    return names;
-  },
-        "The loss reductions' names, in order: 'mean', 'batchmean', 'sum', 'none'.");
+  m.def(
+      "loss_reductions",
+      [] {
+        std::vector<std::string> names;
+        for (const auto reduction : kLossReductions) {
+          names.emplace_back(loss_reduction_name(reduction));
+        }
+        return names;
+      },
+      "The loss reductions' names, in order: 'mean', 'batchmean', 'sum', 'none'.");
   m.def("loss_reduction",
         torch::wrap_pybind_function([](const py::object& name, const std::string& api) {
           const auto text = py::isinstance<py::str>(name) ? name.cast<std::string>()

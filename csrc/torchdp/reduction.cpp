@@ -90,9 +90,9 @@ std::vector<at::Tensor> GradReduction::operator()(
     TORCH_CHECK(result[k].defined() && result[k].sizes() == like.sizes() &&
                     result[k].scalar_type() == like.scalar_type(),
                 "torchdp: the gradient reduction '", name_, "' returned for tensor ", k, " ",
-                result[k].defined() ? c10::str(result[k].scalar_type(), " of sizes ",
-                                               result[k].sizes())
-                                    : std::string("an undefined tensor"),
+                result[k].defined()
+                    ? c10::str(result[k].scalar_type(), " of sizes ", result[k].sizes())
+                    : std::string("an undefined tensor"),
                 ", expected ", like.scalar_type(), " of sizes ", like.sizes());
   }
   return result;

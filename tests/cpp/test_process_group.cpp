@@ -709,7 +709,8 @@ TEST_CASE("process_group: the process-group average over the replicas' sum or av
     auto errors = run_ranks([&](int rank, const c10::intrusive_ptr<ThreadGroup>& group) {
       const auto r = static_cast<size_t>(rank);
       torchdp::DataParallel dp(
-          models[r], torchdp::DataParallelOptions().device_ids(cpu_devices(2)).process_group(group));
+          models[r],
+          torchdp::DataParallelOptions().device_ids(cpu_devices(2)).process_group(group));
       std::optional<torchdp::GradReductionGuard> average;
       if (replica_average) {
         average.emplace(torchdp::GradReduction::average());

@@ -66,9 +66,9 @@ TEST_CASE("parallel_loss with batchmean and none", "[cpu][reduction]") {
         return F::kl_div(out, t, F::KLDivFuncOptions().reduction(torch::kBatchMean));
       },
       torchdp::LossReduction::BatchMean);
-  CHECK(torch::allclose(batchmean,
-                        F::kl_div(whole, target, F::KLDivFuncOptions().reduction(torch::kBatchMean)),
-                        1e-5, 1e-6));
+  CHECK(torch::allclose(
+      batchmean, F::kl_div(whole, target, F::KLDivFuncOptions().reduction(torch::kBatchMean)), 1e-5,
+      1e-6));
   auto none = torchdp::parallel_loss(
       std::vector<at::Tensor>(outputs.begin(), outputs.end()), target,
       [](const at::Tensor& out, const at::Tensor& t) {
@@ -146,8 +146,9 @@ TEST_CASE("a gradient reduction hook reduces every bucket", "[cpu][reduction]") 
         return std::vector<at::Tensor>{torch::zeros({5})};
       },
       "wrong");
-  TORCHDP_CHECK_THROWS_WITH(broadcast_grads(2, wrong, 0), "gradient reduction 'wrong' returned 1 "
-                                                          "tensors for a bucket of 2");
+  TORCHDP_CHECK_THROWS_WITH(broadcast_grads(2, wrong, 0),
+                            "gradient reduction 'wrong' returned 1 "
+                            "tensors for a bucket of 2");
   TORCHDP_CHECK_THROWS_WITH(torchdp::GradReduction::from_hook({}, "empty"),
                             "torchdp::GradReduction::from_hook: the hook 'empty' is empty");
 }
