@@ -105,4 +105,7 @@ void init_data_parallel(pybind11::module_& m);
 /// ProcessGroupSync (bind_process_group.cpp), when torchdp is built with c10d.
 void init_process_group(pybind11::module_& m);
 
+/// The loss reduction names (bind_reduction.cpp).
+void init_reduction(pybind11::module_& m);
+
 } // namespace torchdp::python

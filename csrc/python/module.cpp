@@ -64,4 +64,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m, pybind11::mod_gil_not_used()) {
   torchdp::python::init_replicate(m);
   torchdp::python::init_data_parallel(m);
   torchdp::python::init_process_group(m);
+  torchdp::python::init_reduction(m);
 }

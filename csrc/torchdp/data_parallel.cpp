@@ -334,21 +334,19 @@ at::Tensor parallel_loss(
               " chunks along dim ", dim, " (size ", target.size(dim), ") but there are ",
               outputs.size(), " outputs; pass a target with the same batch size as the inputs");
   const auto destination = output_device ? normalize_device(*output_device, api) : devices.front();
-  const int64_t total = target.size(dim);
-  at::Tensor result;
+  std::vector<at::Tensor> losses;
+  std::vector<int64_t> counts;
   for (const auto i : c10::irange(outputs.size())) {
     auto loss = loss_fn(outputs[i], chunks[i]);
     TORCH_CHECK(
-        loss.defined() && loss.dim() == 0, api, ": loss_fn must return a 0-dim tensor, but ",
-        "for replica ", i, " it returned ",
+        loss.defined() && (loss.dim() == 0 || reduction == LossReduction::None), api,
+        ": loss_fn must return a 0-dim tensor, but for replica ", i, " it returned ",
         loss.defined() ? c10::str("sizes ", loss.sizes()) : std::string("an undefined tensor"));
-    loss = loss.to(destination);
-    if (reduction == LossReduction::Mean) {
-      loss = loss * (static_cast<double>(chunks[i].size(dim)) / static_cast<double>(total));
-    }
-    result = result.defined() ? result + loss : loss;
+    losses.push_back(std::move(loss));
+    counts.push_back(chunks[i].size(dim));
   }
-  return result;
+  return detail::combine_losses(std::move(losses), counts, target.size(dim), reduction, dim,
+                                destination);
 }
 
 void DataParallelImpl::pretty_print(std::ostream& stream) const {

@@ -6,6 +6,7 @@
 #include <torchdp/errors.h>
 #include <torchdp/parallel_apply.h>
 #include <torchdp/process_group.h>
+#include <torchdp/reduction.h>
 #include <torchdp/replicate.h>
 #include <torchdp/step.h>
 #include <torchdp/structure.h>
@@ -428,12 +429,6 @@ class DataParallelImpl : public torch::nn::Module {
 
 /// A `ModuleHolder` for DataParallelImpl (see its documentation).
 TORCH_MODULE(DataParallel);
-
-/// How parallel_loss combines the per-replica losses.
-enum class LossReduction {
-  Mean, ///< average weighted by each chunk's number of samples (the whole-batch mean)
-  Sum,  ///< sum of the replicas' losses
-};
 
 /// The loss per replica, for memory balance: splits `target` along `dim` as the inputs were,
 /// computes `loss_fn(outputs[i], chunk_i)` (a 0-dim tensor) on each output's device and combines

@@ -1,6 +1,7 @@
 #include <torchdp/process_group.h>
 
 #if TORCHDP_WITH_C10D
+#include <torchdp/reduction.h>
 #include <torchdp/replicate.h>
 
 #include <ATen/Context.h>
@@ -26,12 +27,13 @@
 #include <utility>
 
 // Note [Reducing across processes]
-// With a process group, the processes average their replicas' summed gradients, as DDP does. At
-// the first forward after the parameters changed they check that their modules match and take
-// rank 0's values. The first hooked output a pass reaches queues a callback that queues the
-// reduction, so it runs once per pass, after the gradient buckets' callbacks. All processes hold
-// the same buckets: a missing gradient joins as zeros, and a flag per parameter leaves None where
-// no process has one, as DDP does. Gradients are written only once every all-reduce succeeded;
+// With a process group, the processes average their replicas' reduced gradients, as DDP does
+// (GradReduction::average, Note [Reduction seam] in reduction.cpp). At the first forward after the
+// parameters changed they check that their modules match and take rank 0's values. The first
+// hooked output a pass reaches queues a callback that queues the reduction, so it runs once per
+// pass, after the gradient buckets' callbacks. All processes hold the same buckets: a missing
+// gradient joins as zeros, and a flag per parameter leaves None where no process has one, as DDP
+// does. Gradients are written only once every all-reduce succeeded;
 // averaging equal gradients changes nothing, so accumulation over passes stays right.
 
 namespace torchdp::detail {
@@ -111,7 +113,9 @@ struct ProcessGroupSync::Layout {
 
   void reduce() {
     at::NoGradGuard no_grad;
-    const double world = static_cast<double>(group->getSize());
+    // The process-group average (Note [Reduction seam]): each process's share, then the sum.
+    const auto average = GradReduction::average();
+    const auto world = static_cast<size_t>(group->getSize());
     std::vector<c10::intrusive_ptr<c10d::Work>> works; // waited for once all are queued
     struct Pending {
       at::Tensor flat; // the gradients, then one "has a gradient here" flag per member
@@ -145,7 +149,7 @@ struct ProcessGroupSync::Layout {
       // The flags' sums say whether any process has a gradient (no second collective).
       pieces.push_back(flags);
       entry.flat = at::cat(pieces);
-      entry.flat.narrow(0, 0, entry.numel).div_(world);
+      average.scale_(entry.flat.narrow(0, 0, entry.numel), world);
       std::vector<at::Tensor> one{entry.flat};
       collective(api, [&] {
         works.push_back(group->allreduce(one));
@@ -180,7 +184,7 @@ struct ProcessGroupSync::Layout {
       } else if (g.layout() == c10::kStrided) {
         g = g.to_sparse(1);
       }
-      std::vector<at::Tensor> one{g.coalesce().div(world)};
+      std::vector<at::Tensor> one{average.scaled(g.coalesce(), world)};
       collective(api, [&] {
         group->allreduce(one)->wait();
       });

@@ -154,6 +154,8 @@ def misplaced_module_message(
     target: torch.device, kind: str, name: str, found: torch.device, fix: str
 ) -> str: ...
 def bucket_bytes_from_mib(mib: float, api: str) -> int: ...  # ValueError unless finite and >= 0
+def loss_reductions() -> list[str]: ...  # "mean", "batchmean", "sum", "none"
+def loss_reduction(name: object, api: str) -> str: ...  # ValueError naming api and the choices
 
 # The engine of DataParallel(process_group=...) (Note [Reducing across processes]).
 class ProcessGroupSync:  # only when torchdp is built with c10d

@@ -18,8 +18,6 @@ from torchdp.scatter_gather import gather, scatter_kwargs
 __all__ = ["DataParallelCriterion"]
 
 _API = "torchdp.DataParallelCriterion"
-# "batchmean" (nn.KLDivLoss): each replica's sum over its chunk's batch size, combined like "mean".
-_REDUCTIONS = ("mean", "batchmean", "sum", "none")
 
 
 class DataParallelCriterion(nn.Module):
@@ -76,11 +74,9 @@ class DataParallelCriterion(nn.Module):
             )
         if reduction is None:
             reduction = getattr(criterion, "reduction", "mean")
-        if reduction not in _REDUCTIONS:
-            raise ValueError(
-                f"{_API}: reduction must be one of {', '.join(map(repr, _REDUCTIONS))}, got "
-                f"{reduction!r}"
-            )
+        # The names of torchdp::LossReduction, shared with parallel_loss ("batchmean", as
+        # nn.KLDivLoss's: each replica's sum over its chunk's batch size, combined like "mean").
+        reduction = _C.loss_reduction(reduction, _API)
         self.criterion = criterion
         self.output_device = None if output_device is None else _to_device(output_device, _API)
         if self.output_device is not None:

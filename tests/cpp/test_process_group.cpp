@@ -10,6 +10,7 @@
 #include <condition_variable>
 #include <functional>
 #include <mutex>
+#include <optional>
 #include <thread>
 
 using namespace torchdp_test;
@@ -691,6 +692,39 @@ TEST_CASE("process_group: cuda_graphs is refused, a group of one changes nothing
       torchdp::DataParallelOptions().device_ids(devices).cuda_graphs(true).process_group(group));
   TORCHDP_CHECK_THROWS_WITH(graphed->forward(x),
                             "process_group cannot be combined with cuda_graphs");
+}
+
+TEST_CASE("process_group: the process-group average over the replicas' sum or average",
+          "[process_group][reduction]") {
+  // Linear without bias on a summed output: a replica's weight gradient is its rows' sum.
+  for (const bool replica_average : {false, true}) {
+    CAPTURE(replica_average);
+    torch::manual_seed(4);
+    const auto x = torch::randn({kWorld, 6, 4});
+    std::vector<torch::nn::Linear> models;
+    for (int r = 0; r < kWorld; ++r) {
+      models.emplace_back(torch::nn::LinearOptions(4, 1).bias(false));
+    }
+    std::vector<at::Tensor> grads(kWorld);
+    auto errors = run_ranks([&](int rank, const c10::intrusive_ptr<ThreadGroup>& group) {
+      const auto r = static_cast<size_t>(rank);
+      torchdp::DataParallel dp(
+          models[r],
+          torchdp::DataParallelOptions().device_ids(cpu_devices(2)).process_group(group));
+      std::optional<torchdp::GradReductionGuard> average;
+      if (replica_average) {
+        average.emplace(torchdp::GradReduction::average());
+      }
+      dp->forward(x[rank]).sum().backward();
+      grads[r] = models[r]->weight.grad().clone();
+    });
+    REQUIRE(errors == std::vector<std::string>(kWorld));
+    // The processes' mean of their replicas' sum (average: over the two replicas too).
+    const auto want = x.sum({0, 1}).unsqueeze(0) / kWorld / (replica_average ? 2 : 1);
+    for (const auto& g : grads) {
+      CHECK(torch::allclose(g, want, 1e-5, 1e-6));
+    }
+  }
 }
 
 #endif // TORCHDP_WITH_C10D

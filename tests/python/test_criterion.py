@@ -290,3 +290,25 @@ def test_structured_outputs_and_targets():
     targets = {"label": torch.randint(0, 3, (9,)), "aux": torch.randn(9, 3)}
     got = torchdp.DataParallelCriterion(loss)(dp(x), targets)
     torch.testing.assert_close(got, loss(net(x), targets))
+
+
+def test_loss_reduction_names_are_the_cpp_map():
+    """DataParallelCriterion and C++'s parallel_loss share one name map (torchdp::LossReduction)."""
+    from torchdp import _C
+
+    names = _C.loss_reductions()
+    assert names == ["mean", "batchmean", "sum", "none"]
+    for name in names:
+        assert _C.loss_reduction(name, "api") == name
+        assert torchdp.DataParallelCriterion(nn.MSELoss(), reduction=name).reduction == name
+    message = (
+        "torchdp.DataParallelCriterion: reduction must be one of 'mean', 'batchmean', 'sum', "
+        "'none', got 'avg'"
+    )
+    with pytest.raises(ValueError) as info:
+        torchdp.DataParallelCriterion(nn.MSELoss(), reduction="avg")
+    assert str(info.value) == message
+    with pytest.raises(ValueError, match="got 'Mean'"):
+        _C.loss_reduction("Mean", "api")
+    with pytest.raises(ValueError, match="reduction must be one of .*got '3'"):
+        torchdp.DataParallelCriterion(nn.MSELoss(), reduction=3)

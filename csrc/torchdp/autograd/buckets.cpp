@@ -3,6 +3,7 @@
 #include <torchdp/autograd/nodes.h>
 #include <torchdp/devices.h>
 #include <torchdp/profiling.h>
+#include <torchdp/reduction.h>
 
 #include <ATen/SparseCsrTensorUtils.h>
 #include <c10/core/Event.h>
@@ -164,13 +165,15 @@ struct BroadcastJoin : Node {
 // device j, outputs to the bucket's slots of the BroadcastJoin.
 struct BroadcastBackward : Node {
   BroadcastBackward(c10::Device source, std::vector<c10::Device> devices, size_t num_inputs,
-                    size_t buffer_size, std::vector<std::optional<c10::Stream>> side_streams)
+                    size_t buffer_size, std::vector<std::optional<c10::Stream>> side_streams,
+                    GradReduction reduction)
       : Node(kRunWhenReady),
         source_(source),
         devices_(std::move(devices)),
         num_inputs_(num_inputs),
         buffer_size_(buffer_size),
-        side_streams_(std::move(side_streams)) {}
+        side_streams_(std::move(side_streams)),
+        reduction_(std::move(reduction)) {}
 
   std::string name() const override {
     return "torchdp::BroadcastBackward";
@@ -231,7 +234,7 @@ struct BroadcastBackward : Node {
         }
       }
     }
-    auto sums = reduce_add_coalesced(per_device, source_, buffer_size_);
+    auto sums = reduce_coalesced(per_device, source_, buffer_size_, reduction_);
     const void* recorded = nullptr; // consecutive sums are views of one flat buffer
     for (const auto i : c10::irange(wanted.size())) {
       if (node_stream && !sums[i].has_storage()) {
@@ -285,6 +288,7 @@ struct BroadcastBackward : Node {
   size_t buffer_size_;
   // Per device; all set (every device is a CUDA device) or all empty (the current streams).
   std::vector<std::optional<c10::Stream>> side_streams_;
+  GradReduction reduction_; // the forward thread's grad_reduction() (Note [Reduction seam])
 };
 
 } // namespace
@@ -328,9 +332,10 @@ std::vector<std::vector<at::Tensor>> broadcast_coalesced(at::TensorList tensors,
   // the device thread that also launches that device's backward kernels.
   const size_t reduce_buffer_size =
       bucket_size > 0 ? std::max(buffer_size, bucket_size) : buffer_size;
+  const auto& reduction = grad_reduction();
   for (const auto& bucket : buckets) {
-    auto node =
-        make_node<BroadcastBackward>(source, devices, bucket.size(), reduce_buffer_size, side);
+    auto node = make_node<BroadcastBackward>(source, devices, bucket.size(), reduce_buffer_size,
+                                             side, reduction);
     torch::autograd::edge_list next;
     next.reserve(bucket.size());
     for (auto k : bucket) {

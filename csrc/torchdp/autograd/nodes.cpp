@@ -2,6 +2,7 @@
 #include <torchdp/autograd.h>
 #include <torchdp/autograd/nodes.h>
 #include <torchdp/devices.h>
+#include <torchdp/reduction.h>
 
 #include <ATen/WrapDimUtils.h>
 #include <c10/util/Exception.h>
@@ -25,11 +26,12 @@ namespace {
 
 struct ReduceAddBackward : Node {
   ReduceAddBackward(c10::Device destination, std::vector<c10::Device> devices, size_t num_inputs,
-                    size_t buffer_size)
+                    size_t buffer_size, GradReduction reduction)
       : destination_(destination),
         devices_(std::move(devices)),
         num_inputs_(num_inputs),
-        buffer_size_(buffer_size) {}
+        buffer_size_(buffer_size),
+        reduction_(std::move(reduction)) {}
 
   std::string name() const override {
     return "torchdp::ReduceAddBackward";
@@ -47,7 +49,8 @@ struct ReduceAddBackward : Node {
       }
       if (needed) {
         wanted.push_back(k);
-        defined.push_back(grad_or_zeros(*this, grads, k));
+        // The average's gradient: each input gets 1/n of the output's.
+        defined.push_back(reduction_.scaled(grad_or_zeros(*this, grads, k), n));
       }
     }
     if (wanted.empty()) {
@@ -71,6 +74,7 @@ struct ReduceAddBackward : Node {
   std::vector<c10::Device> devices_;
   size_t num_inputs_;
   size_t buffer_size_;
+  GradReduction reduction_; // the sum or the average
 };
 
 struct ScatterBackward : Node {
@@ -127,10 +131,19 @@ struct GatherBackward : Node {
 } // namespace
 
 std::vector<at::Tensor> reduce_add_coalesced(const std::vector<std::vector<at::Tensor>>& per_device,
-                                             c10::Device destination_in, size_t buffer_size) {
+                                             c10::Device destination, size_t buffer_size) {
+  return reduce_coalesced(per_device, destination, buffer_size, GradReduction::sum());
+}
+
+std::vector<at::Tensor> reduce_coalesced(const std::vector<std::vector<at::Tensor>>& per_device,
+                                         c10::Device destination_in, size_t buffer_size,
+                                         const GradReduction& reduction) {
+  if (!reduction.is_builtin()) {
+    return reduction(per_device, destination_in, buffer_size); // differentiable as the hook is
+  }
   const auto destination =
       normalize_device(destination_in, "torchdp::autograd::reduce_add_coalesced");
-  auto outputs = comm::reduce_add_coalesced(per_device, destination, buffer_size);
+  auto outputs = comm::reduce_coalesced(per_device, destination, buffer_size, reduction);
   std::vector<at::Tensor> flat;
   std::vector<c10::Device> devices;
   for (const auto& list : per_device) {
@@ -141,7 +154,7 @@ std::vector<at::Tensor> reduce_add_coalesced(const std::vector<std::vector<at::T
     return outputs;
   }
   const size_t count = outputs.size();
-  auto node = make_node<ReduceAddBackward>(destination, devices, count, buffer_size);
+  auto node = make_node<ReduceAddBackward>(destination, devices, count, buffer_size, reduction);
   node->set_next_edges(edges_of(flat));
   for (const auto k : c10::irange(count)) {
     bool differentiable = false;

@@ -2,6 +2,7 @@
 #include <torchdp/config.h>
 #include <torchdp/devices.h>
 #include <torchdp/profiling.h>
+#include <torchdp/reduction.h>
 #if TORCHDP_WITH_NCCL
 #include <torchdp/transport/nccl_comm.h>
 #endif
@@ -217,7 +218,14 @@ std::vector<std::vector<at::Tensor>> broadcast_coalesced(at::TensorList tensors,
 }
 
 std::vector<at::Tensor> reduce_add_coalesced(const std::vector<std::vector<at::Tensor>>& per_device,
-                                             c10::Device destination_in, size_t buffer_size) {
+                                             c10::Device destination, size_t buffer_size) {
+  return reduce_coalesced(per_device, destination, buffer_size, GradReduction::sum());
+}
+
+// Note [Reduction seam] (reduction.cpp): each flat bucket's sum is scaled once, in place.
+std::vector<at::Tensor> reduce_coalesced(const std::vector<std::vector<at::Tensor>>& per_device,
+                                         c10::Device destination_in, size_t buffer_size,
+                                         const GradReduction& reduction) {
   constexpr const char* api = "torchdp::comm::reduce_add_coalesced";
   TORCH_CHECK(!per_device.empty(), api, ": expected at least one list of tensors, got none");
   TORCH_CHECK(buffer_size > 0, api, ": buffer_size must be positive, got ", buffer_size);
@@ -282,6 +290,7 @@ std::vector<at::Tensor> reduce_add_coalesced(const std::vector<std::vector<at::T
     if (nccl_devices && nccl::reduce_supports(flats[0].scalar_type())) {
       sum = at::empty_like(flats[root]);
       nccl::reduce(flats, sum, root, devices);
+      reduction.scale_(sum, flats.size());
       unflatten_into(sum, first, bucket, result);
       continue;
     }
@@ -290,6 +299,7 @@ std::vector<at::Tensor> reduce_add_coalesced(const std::vector<std::vector<at::T
     for (size_t j = 1; j < flats.size(); ++j) {
       sum.add_(move_to(flats[j], destination));
     }
+    reduction.scale_(sum, flats.size());
     unflatten_into(sum, first, bucket, result);
   }
   for (auto k : singles) {
@@ -305,7 +315,7 @@ std::vector<at::Tensor> reduce_add_coalesced(const std::vector<std::vector<at::T
         sum = sum.add(move_to(per_device[j][k], destination));
       }
     }
-    result[k] = sum;
+    result[k] = reduction.scaled(sum, per_device.size());
   }
   return result;
 }
