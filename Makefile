@@ -39,7 +39,7 @@ CUDA_ARGS := -DTORCHDP_WITH_CUDA=ON -DTORCHDP_WITH_NCCL=ON
 endif
 
 .PHONY: all deps configure build test test-cpp consumer python test-python install-python demo \
-	demo-cpp bench soak clean test-sanitize docs check-install test-torch
+	demo-cpp bench soak clean test-sanitize docs check-install test-torch lint lint-tools format
 
 all: build
 
@@ -121,9 +121,36 @@ install-python: deps
 	MAX_JOBS=$(JOBS) TORCHDP_CMAKE_ARGS="$(strip $(CUDA_ARGS) $(TORCHDP_CMAKE_ARGS) $(CMAKE_ARGS))" \
 	  $(PYTHON) -m pip install --no-build-isolation -e .
 
-test: test-cpp consumer test-python
+test: lint test-cpp consumer test-python
 # One cmake --build at a time in $(BUILD) (each is parallel inside) even under make -j.
 .NOTPARALLEL: test
+
+# The linters, pinned (pyproject.toml holds ruff's rule set, .clang-format the C++ style): ruff
+# check, ruff format --check and clang-format over the tracked Python and C++ files; the pinned
+# tools are installed into $(PYTHON) first when missing. `make format` applies both formatters.
+RUFF_VERSION := 0.17.6
+CLANG_FORMAT_VERSION := 23.1.5
+CXX_SOURCES = $(shell git ls-files '*.h' '*.cpp' '*.cu' 2>/dev/null)
+CLANG_FORMAT = $$($(PYTHON) -c "import clang_format as c, os; \
+  print(os.path.join(os.path.dirname(c.__file__), 'data', 'bin', 'clang-format'))")
+lint-tools:
+	@$(PYTHON) -m ruff --version 2>/dev/null | grep -qx "ruff $(RUFF_VERSION)" && \
+	$(PYTHON) -c "import importlib.metadata as m, sys; \
+	  sys.exit(m.version('clang-format') != '$(CLANG_FORMAT_VERSION)')" 2>/dev/null || { \
+	  echo "== installing ruff==$(RUFF_VERSION) clang-format==$(CLANG_FORMAT_VERSION)"; \
+	  $(PYTHON) -m pip install --quiet ruff==$(RUFF_VERSION) clang-format==$(CLANG_FORMAT_VERSION); }
+
+lint: lint-tools
+	$(PYTHON) -m ruff check --no-cache .
+	$(PYTHON) -m ruff format --no-cache --check .
+	@[ -n "$(CXX_SOURCES)" ] || { echo "make lint: no git checkout: nothing for clang-format"; exit 1; }
+	@$(CLANG_FORMAT) --dry-run --Werror $(CXX_SOURCES) && \
+	  echo "== clang-format: $(words $(CXX_SOURCES)) C++ files formatted"
+
+format: lint-tools
+	$(PYTHON) -m ruff check --no-cache --fix .
+	$(PYTHON) -m ruff format --no-cache .
+	$(CLANG_FORMAT) -i $(CXX_SOURCES)
 
 # The Python example: a cplxmodule-style masked model trained with torchdp.DataParallel on all
 # GPUs (two CPU replicas without GPUs), checked against single-device training. It runs on the

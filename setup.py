@@ -147,8 +147,15 @@ class CMakeBuild(build_ext):
         # An editable install runs from the source tree, which gets only the module.
         if not (self.inplace or getattr(self, "editable_mode", False)):
             self._run(
-                ["cmake", "--install", str(build_dir), "--config", build_type,
-                 "--prefix", str(ext_dir)]
+                [
+                    "cmake",
+                    "--install",
+                    str(build_dir),
+                    "--config",
+                    build_type,
+                    "--prefix",
+                    str(ext_dir),
+                ]
             )
 
         if not ext_path.exists():

@@ -22,8 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
 import models
 import torch
-import torchdp
 from torch import nn
+
+import torchdp
 
 MODES = ("torch_replicate", "torchdp_replicate")
 CURVE = "10,30,100,300,1000,2000"
@@ -61,7 +62,10 @@ def main(argv: list[str] | None = None) -> int:
         if net is not None and bench == "replicate" and len(devices) > 1:
             # The parameters and buffers broadcast alone: the transfer every replicate pays.
             tensors = [t.detach() for t in (*net.parameters(), *net.buffers())]
-            call = lambda: torchdp._C.broadcast_coalesced(tensors, devices)
+
+            def call():
+                return torchdp._C.broadcast_coalesced(tensors, devices)
+
             with contextlib.suppress(RuntimeError):  # the replicate records still come
                 times_ms = common.time_steps(call, devices, run.warmup, run.steps)
                 floor = common.summarize(times_ms)["step_ms_median"]
@@ -81,7 +85,10 @@ def main(argv: list[str] | None = None) -> int:
                     steps = max(3, min(steps, 5))
                 started = time.perf_counter()
                 try:
-                    call = lambda fn=fn: fn(net, devices, detach=False)
+
+                    def call(fn=fn):
+                        return fn(net, devices, detach=False)
+
                     times_ms = common.time_steps(call, devices, run.warmup, steps)
                     rec.update(common.summarize(times_ms, prefix="replicate_ms"))
                     rec["wall_s"] = round(time.perf_counter() - started, 3)

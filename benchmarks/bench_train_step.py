@@ -45,8 +45,9 @@ import models
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torchdp
 from torch import nn
+
+import torchdp
 
 DTYPES = ("fp32", "bf16")
 MODES = (
@@ -118,7 +119,7 @@ def grad_check(master: nn.Module, x, target, dtype: str, devices: list) -> dict[
         grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in model.parameters()]
         got[mode] = [t.detach().float() for t in (out, *grads)]
     ours, ref = got["torchdp"], got["torch_dp"]
-    diffs = [(a - b) for a, b in zip(ours[1:], ref[1:])]
+    diffs = [(a - b) for a, b in zip(ours[1:], ref[1:], strict=True)]
     norm = math.sqrt(sum(float(b.pow(2).sum()) for b in ref[1:])) or 1.0
     rel = math.sqrt(sum(float(d.pow(2).sum()) for d in diffs)) / norm
     result: dict[str, Any] = {
@@ -405,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
         outs = (
             run_processes(jobs, g, run) if run.time_left() > 5 else [{"error": SKIPPED}] * len(jobs)
         )
-        for job, out in zip(jobs, outs):
+        for job, out in zip(jobs, outs, strict=True):
             rec = record(job["model"], job["dtype"], job["mode"], g)
             if "error" in out:
                 add(rec, error=out["error"])

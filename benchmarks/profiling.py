@@ -27,9 +27,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
 import models
 import torch
-import torchdp
 from report import table
 from torch.profiler import ProfilerActivity, profile, record_function
+
+import torchdp
 
 OVERRIDES = ("replicate", "scatter", "parallel_apply", "gather")
 PHASES = ("forward", *(f"DataParallel.{p}" for p in OVERRIDES), "loss", "backward", "optimizer")

@@ -147,13 +147,13 @@ def grads_cell(r: Record) -> str:
 
 
 CELLS: dict[str, Callable[[Record], Any]] = {
-    "gpus": lambda r: gpus_cell(r),
+    "gpus": gpus_cell,
     "median ms": lambda r: fmt_ms(time_of(r)),
-    "p10–p90 ms": lambda r: spread(r),
-    "speedup vs single": lambda r: speedup_cell(r),
+    "p10–p90 ms": spread,
+    "speedup vs single": speedup_cell,
     "vs LibTorch": lambda r: fmt_x(r.get("speedup_vs_libtorch")),
     "peak GiB per GPU": lambda r: fmt_gib(r.get("peak_mem_gib")),
-    "grads match": lambda r: grads_cell(r),
+    "grads match": grads_cell,
     "first-step loss": lambda r: (
         "—" if num(r.get("loss_first")) is None else f"{num(r['loss_first']):.6g}"
     ),
@@ -234,7 +234,7 @@ def train_section(records: list[Record]) -> list[str]:
 
     headers = "model; dtype; mode; gpus; median ms; p10–p90 ms; speedup vs single; vs DDP; "
     headers += "peak GiB per GPU; grads match"
-    return ["## Training steps", "", TRAIN_TEXT, ""] + columns(ordered(ok), headers, vs_DDP=vs_ddp)
+    return ["## Training steps", "", TRAIN_TEXT, "", *columns(ordered(ok), headers, vs_DDP=vs_ddp)]
 
 
 def threads_section(records: list[Record]) -> list[str]:
@@ -294,7 +294,7 @@ def memory_section(records: list[Record]) -> list[str]:
     if not mem:
         return []
     headers = "bench; model; dtype; mode; gpus; peak GiB per GPU; GPU0/GPU1"
-    return ["## Peak memory", "", text, ""] + columns(ordered(mem), headers, **{"GPU0/GPU1": ratio})
+    return ["## Peak memory", "", text, "", *columns(ordered(mem), headers, **{"GPU0/GPU1": ratio})]
 
 
 def pairs(records: list[Record], bench: str) -> list[tuple[Any, Any, Record, Record, Any]]:
@@ -373,10 +373,10 @@ def cpp_section(records: list[Record]) -> list[str]:
     if train:
         headers = "model; mode; gpus; median ms; p10–p90 ms; speedup vs single; vs LibTorch; "
         headers += "peak GiB per GPU; first-step loss"
-        lines += [CPP_TRAIN_TEXT, ""] + columns(ordered(train), headers)
+        lines += [CPP_TRAIN_TEXT, "", *columns(ordered(train), headers)]
     if rep:
         headers = "model; mode; gpus; modules; median ms; p10–p90 ms; vs LibTorch"
-        lines += [CPP_REPLICATE_TEXT, ""] + columns(ordered(rep), headers)
+        lines += [CPP_REPLICATE_TEXT, "", *columns(ordered(rep), headers)]
     return lines
 
 
@@ -469,7 +469,9 @@ def plot_speedup(records: list[Record], machine: dict[str, Any], path: str) -> s
             y += 1
         y += 1
     ax.set_yticks(ticks)
-    ax.set_yticklabels([f"{g}\nloss per replica" if g in balanced else g for g in groups], fontsize=9)
+    ax.set_yticklabels(
+        [f"{g}\nloss per replica" if g in balanced else g for g in groups], fontsize=9
+    )
     ax.invert_yaxis()
     ax.axvline(1.0, color="black", linestyle="--", linewidth=1)
     if n_gpus > 1:
@@ -556,7 +558,7 @@ def plot_scaling(records: list[Record], machine: dict[str, Any], path: str) -> s
     rows = (len(panels) + cols - 1) // cols
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
     top = max(g for modes in panels.values() for line in modes.values() for g in line)
-    for ax, ((model, dtype), modes) in zip(axes.flat, panels.items()):
+    for ax, ((model, dtype), modes) in zip(axes.flat, panels.items(), strict=False):
         counts = sorted({1, *(g for line in modes.values() for g in line)})
         ax.plot(counts, counts, "k--", linewidth=0.8, label="linear")
         for mode, line in modes.items():

@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     report = [sys.executable, str(HERE / "report.py"), str(result)]
     rc = subprocess.call(
-        report + ["--md", str(out_dir / f"{stem}.md"), "--plots", str(out_dir / stem)], env=env
+        [*report, "--md", str(out_dir / f"{stem}.md"), "--plots", str(out_dir / stem)], env=env
     )
     failures += [f"report: exit status {rc}"] if rc else []
     for failure in failures:

@@ -367,7 +367,7 @@ def section(records: list[Record]) -> list[str]:
         verdict = f"**{v.verdict}**" if v.verdict == MET else v.verdict
         cells = [v.figure, v.target, v.measured, verdict]
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
-    return lines + [""]
+    return [*lines, ""]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,7 +13,7 @@ if any((ROOT / "python" / "torchdp").glob("_C*.so")):
     sys.path.insert(0, str(ROOT / "python"))
 
 try:
-    import torchdp  # noqa: E402
+    import torchdp
 except ImportError as error:
     raise RuntimeError(
         f"the docs need an importable torchdp ({error}): build it in place with `make python` "
@@ -68,7 +68,9 @@ def _notes_index() -> str:
                 if match:
                     rows.append((match.group(1), f"{path.relative_to(ROOT)}:{number}"))
     lines = ["| Note | where |", "|---|---|"]
-    lines += [f"| {title} | `{where}` |" for title, where in sorted(rows, key=lambda r: r[0].lower())]
+    lines += [
+        f"| {title} | `{where}` |" for title, where in sorted(rows, key=lambda r: r[0].lower())
+    ]
     return "\n".join(lines) + "\n"
 
 

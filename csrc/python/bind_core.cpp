@@ -352,8 +352,8 @@ when a device of the list holds data).)doc");
         "as many replicas as the fewest chunks of a tensor.");
 
   m.def("gather_leaves",
-        without_gil([](const std::vector<std::vector<at::Tensor>>& groups,
-                       c10::Device destination, int64_t dim) {
+        without_gil([](const std::vector<std::vector<at::Tensor>>& groups, c10::Device destination,
+                       int64_t dim) {
           std::vector<at::Tensor> out;
           out.reserve(groups.size());
           for (const auto& group : groups) {

@@ -266,10 +266,9 @@ class Rebinder {
       const auto owner = path_in(net_.modules.front().module, owner_.module);
       TORCH_CHECK_TYPE(
           false, kApi, ": attribute '", std::string(py::str(where)), "' of module '",
-          owner.empty() ? "<root>" : owner,
-          "' (class ", qualname(owner_.module), ") is a ", qualname(value),
-          " object whose attribute '", std::string(py::str(key)), "' holds module '",
-          path.empty() ? "<root>" : path,
+          owner.empty() ? "<root>" : owner, "' (class ", qualname(owner_.module), ") is a ",
+          qualname(value), " object whose attribute '", std::string(py::str(key)),
+          "' holds module '", path.empty() ? "<root>" : path,
           "' of the replicated network, so every replica would run the original module's "
           "parameters. torchdp rebinds bound methods, functools.partial objects and functions "
           "holding the network's modules to each replica: store one of those (e.g. "

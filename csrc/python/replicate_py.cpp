@@ -242,8 +242,13 @@ block belong to the forward `snapshot` was taken for (Note [Nested forwards]).)d
              return new EnclosingForward(snapshot.take_id());
            }),
            py::arg("snapshot"))
-      .def("__enter__", [](EnclosingForward& self) { self.guard.emplace(self.take); })
-      .def("__exit__", [](EnclosingForward& self, const py::args&) { self.guard.reset(); });
+      .def("__enter__",
+           [](EnclosingForward& self) {
+             self.guard.emplace(self.take);
+           })
+      .def("__exit__", [](EnclosingForward& self, const py::args&) {
+        self.guard.reset();
+      });
   m.def("snapshot_buffers", torch::wrap_pybind_function([](py::object network) {
           TypeTable types;
           auto net = walk_network(network, types);

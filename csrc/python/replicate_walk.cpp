@@ -250,8 +250,7 @@ void prepare(Source& s, py::handle network, const std::vector<c10::Device>& devi
   check_replicatable(s.net, s.types);
   s.fast = !registration_hooks_installed();
   for (const auto& e : s.net.modules) {
-    s.plain_only =
-        s.plain_only && dict_ops(s, e) && !e.type->optimized && !compiled_call(e);
+    s.plain_only = s.plain_only && dict_ops(s, e) && !e.type->optimized && !compiled_call(e);
     s.keepable = s.keepable && !e.type->slots;
   }
   auto [params, buffers] = parameters_and_buffers(network, s.net);

@@ -143,7 +143,6 @@ class WorkerPool {
     return true;
   }
 
-
   static std::atomic<WorkerPool*> current_;
   std::mutex mutex_;
   std::vector<std::vector<Worker*>> idle_;
@@ -264,7 +263,7 @@ struct Run {
   const at::ThreadLocalState state;
   const bool autocast_cache;
   const int intra_op_threads; // Note [Intra-op threads of workers]
-  const uint64_t enclosing; // Note [Nested forwards]
+  const uint64_t enclosing;   // Note [Nested forwards]
   std::vector<std::exception_ptr> errors;
   std::function<void(size_t)> fn;
   Latch latch;

@@ -1,5 +1,6 @@
 #pragma once
-// Internal: what the nn::Module and TorchScript replicators share (replicate.cpp, script_module.cpp).
+// Internal: what the nn::Module and TorchScript replicators share (replicate.cpp,
+// script_module.cpp).
 #include <c10/core/Device.h>
 
 #include <ATen/core/Tensor.h>

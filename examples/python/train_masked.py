@@ -127,13 +127,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"note: torchdp repaired a swallowed assignment: {note.split(' did not')[0]}")
 
     max_diff = max(
-        (a - b).abs().max().item() for a, b in zip(parallel_model.parameters(), single.parameters())
+        (a - b).abs().max().item()
+        for a, b in zip(parallel_model.parameters(), single.parameters(), strict=True)
     )
     masks_kept = all(
         torch.equal(a.mask, b.mask)
         for a, b in zip(
             (m for m in parallel_model.modules() if isinstance(m, MaskedLinear)),
             (m for m in single.modules() if isinstance(m, MaskedLinear)),
+            strict=True,
         )
     )
     if max_diff <= 1e-4 and masks_kept:

@@ -3,7 +3,7 @@
 # torch first: _C links against libtorch_python and needs its Python types registered.
 import os as _os  # isort: skip
 
-import torch  # noqa: F401  isort: skip
+import torch
 
 
 def _check_torch_version() -> None:
@@ -33,7 +33,7 @@ def _torch_install_command(version: str) -> str:
 
 _check_torch_version()
 
-from torchdp import _C  # noqa: E402  isort: skip
+from torchdp import _C  # isort: skip
 
 from torchdp.criterion import DataParallelCriterion
 from torchdp.data_parallel import DataParallel, data_parallel

@@ -3,6 +3,7 @@ csrc/python/replicate_build.cpp, Note [Replicating compiled modules])."""
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 import weakref
 from typing import Any
@@ -32,10 +33,8 @@ def _dynamo_context_of(compiled: Any) -> Any:
         if isinstance(value, _TorchDynamoContext):
             context = value
             break
-    try:
+    with contextlib.suppress(TypeError):  # not weak-referenceable: look it up again next time
         _contexts[compiled] = context
-    except TypeError:  # not weak-referenceable: look it up again next time
-        pass
     return context
 
 

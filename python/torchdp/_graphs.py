@@ -161,7 +161,9 @@ class GraphedReplicas:
             copies = replicate(
                 self.module, self.devices[:n], detach=True, stale_attributes=self.stale_attributes
             )
-        for j, (copy, (param_storage, buffer_storage)) in enumerate(zip(copies, storage)):
+        for j, (copy, (param_storage, buffer_storage)) in enumerate(
+            zip(copies, storage, strict=True)
+        ):
             leaves = [
                 nn.Parameter(v, requires_grad=p.requires_grad)
                 for p, v in zip(params, param_storage, strict=True)

@@ -72,7 +72,7 @@ def rebuild_dict(like: dict[Any, Any], pairs: Any, api: str) -> dict[Any, Any]:
         rebuilt = cls(items)
         if type(rebuilt) is cls and _holds(rebuilt, items):
             return rebuilt
-    except Exception:
+    except Exception:  # noqa: BLE001  any failure of a foreign constructor: rebuild by items
         pass
     try:
         rebuilt = copy.copy(like)
@@ -173,7 +173,7 @@ def node(obj: Any) -> tuple[list[Any], Callable[[list[Any]], Any], Any] | None:
         keys = tuple(obj)
         return (
             list(obj.values()),
-            lambda c: rebuild_dict(obj, zip(keys, c), "torchdp.scatter"),
+            lambda c: rebuild_dict(obj, zip(keys, c, strict=True), "torchdp.scatter"),
             keys,
         )
     registered = _pytree.SUPPORTED_NODES.get(type(obj))

@@ -173,7 +173,9 @@ class DataParallelCriterion(nn.Module):
         destination = self.output_device if self.output_device is not None else devices[0]
         weighted = self.reduction == "mean" and all(
             _weighted_mean_applies(crit, out, tgt, kw)
-            for crit, out, tgt, kw in zip(criteria, outputs, split_targets, split_kwargs)
+            for crit, out, tgt, kw in zip(
+                criteria, outputs, split_targets, split_kwargs, strict=True
+            )
         )
         losses = []
         compute = _weighted_sum if weighted else (lambda c, o, t, k: c(o, *t, **k))
@@ -211,7 +213,7 @@ class DataParallelCriterion(nn.Module):
         # Python-scalar weights: no host-to-device copy, which would wait for the GPU every step.
         # An empty batch: every replica's loss is the criterion's value for no samples (NaN).
         weights = [c / total for c in counts] if total else [1.0 / n] * n
-        return torch.stack([loss * w for loss, w in zip(moved, weights)]).sum()
+        return torch.stack([loss * w for loss, w in zip(moved, weights, strict=True)]).sum()
 
 
 def _check_target_sizes(

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from typing_extensions import Self
 
 __all__ = [
     "PostReplicateHook",
@@ -112,7 +113,7 @@ class PostReplicateHookHandle:
         ...     out = torchdp.DataParallel(model)(x)
     """
 
-    __slots__ = ("id", "__weakref__")
+    __slots__ = ("__weakref__", "id")
 
     def __init__(self, hook_id: int) -> None:
         self.id = hook_id
@@ -126,10 +127,10 @@ class PostReplicateHookHandle:
         """True while the hook is registered."""
         return self.id in _registry
 
-    def __enter__(self) -> PostReplicateHookHandle:
+    def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc_info: Any) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.remove()
 
     def __repr__(self) -> str:

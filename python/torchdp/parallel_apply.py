@@ -49,7 +49,7 @@ def _replica_call(
             # A single object is the only argument (this also avoids slicing a tensor).
             args = input if isinstance(input, (list, tuple)) else (input,)
             return module(*args, **kwargs)
-        except Exception:
+        except Exception:  # noqa: BLE001  re-raised in the caller's thread
             return _Failure(ExceptionWrapper(where=f"in replica {index} on device {label}"))
 
     return run

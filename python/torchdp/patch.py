@@ -6,6 +6,8 @@ import importlib
 import threading
 from typing import Any
 
+from typing_extensions import Self
+
 __all__ = ["TorchPatch", "patch_torch"]
 
 # (module name, attribute, torchdp attribute)
@@ -95,10 +97,10 @@ class TorchPatch:
 
     remove = undo
 
-    def __enter__(self) -> TorchPatch:
+    def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc_info: Any) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.undo()
 
     def __repr__(self) -> str:

@@ -14,7 +14,7 @@ from torch.utils import _pytree
 from torchdp import _C, _tree
 from torchdp._devices import DeviceLike, _check_dim, _to_device, _to_devices
 
-__all__ = ["scatter", "scatter_kwargs", "gather"]
+__all__ = ["gather", "scatter", "scatter_kwargs"]
 
 _SCATTER = "torchdp.scatter"
 
@@ -239,7 +239,7 @@ class _Join:
             type(out),
             context,
             lambda c: registered.unflatten_fn(c, context),
-            zip(*(f[0] for f in flat)),
+            zip(*(f[0] for f in flat), strict=False),
         )
 
     def _pair_dict(self, outputs: Sequence[Any]) -> _tree.Spec:
@@ -260,7 +260,7 @@ class _Join:
         return self._node(
             type(out),
             keys,
-            lambda c: _tree.rebuild_dict(out, zip(keys, c), "torchdp.gather"),
+            lambda c: _tree.rebuild_dict(out, zip(keys, c, strict=True), "torchdp.gather"),
             ([d[k] for d in outputs] for k in keys),
         )
 

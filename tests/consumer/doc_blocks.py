@@ -15,7 +15,7 @@ import pathlib
 import re
 import sys
 
-_BLOCK = re.compile(r"^```cpp\n(?P<code>.*?)^```\s*$", re.M | re.S)
+_BLOCK = re.compile(r"^```cpp\n(?P<code>.*?)^```\s*$", re.MULTILINE | re.DOTALL)
 
 
 def main(root: pathlib.Path, out: pathlib.Path) -> int:

@@ -19,7 +19,7 @@ import torch
 # The helpers module next to this file, importable whatever pytest's import mode is.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from dp_testing import cpu_devices, cuda_devices  # noqa: E402
+from dp_testing import cpu_devices, cuda_devices
 
 REQUIRE_CUDA = os.environ.get("TORCHDP_REQUIRE_CUDA", "") == "1"
 

@@ -19,8 +19,9 @@ import sys
 import time
 
 import torch
-import torchdp
 from torch import nn
+
+import torchdp
 
 
 class MaskedLinear(nn.Linear):

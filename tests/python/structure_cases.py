@@ -90,7 +90,7 @@ class Case:
 
 
 CASES = [
-    Case("tensor", lambda: rows(), 1, 1, cpp=True),
+    Case("tensor", rows, 1, 1, cpp=True),
     Case("tuple", lambda: (rows(), rows(6, 2)), 2, 2, cpp=True),
     Case("list", lambda: [rows(), rows()], 2, 2, cpp=True),
     Case("dict", lambda: {"a": rows(), "b": rows(6, 3)}, 2, 2, cpp=True),

@@ -15,7 +15,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-import common  # noqa: E402
+import common
 
 
 def _script_env() -> dict[str, str]:

@@ -88,7 +88,7 @@ def test_compile_wrapper_replicas_run_their_own_module():
     wrapper = torch.compile(net, backend=CountingBackend())
     replicas = torchdp.replicate(wrapper, cpu_devices(2), detach=True)
     x = torch.randn(3, 8)
-    for j, replica in enumerate(replicas):
+    for _j, replica in enumerate(replicas):
         assert type(replica) is type(wrapper)
         assert replica._orig_mod is replica._modules["_orig_mod"]
         assert replica._orig_mod is not net

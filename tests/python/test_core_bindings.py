@@ -8,6 +8,7 @@ import threading
 
 import pytest
 import torch
+
 import torchdp
 from torchdp import _C, _version
 
@@ -48,12 +49,12 @@ def test_broadcast_coalesced_cpu(differentiable):
     out = _C.broadcast_coalesced([a, b], [CPU, CPU], differentiable=differentiable)
     assert len(out) == 2 and all(len(per_device) == 2 for per_device in out)
     # devices[0]'s outputs are the inputs (differentiable: tensors sharing their storage).
-    for original, first in zip([a, b], out[0]):
+    for original, first in zip([a, b], out[0], strict=True):
         assert first.data_ptr() == original.data_ptr()
         if not differentiable:
             assert first is original
     # every other copy has its own storage and equal values.
-    for original, copy in zip([a, b], out[1]):
+    for original, copy in zip([a, b], out[1], strict=True):
         assert torch.equal(copy, original)
         assert copy.untyped_storage().data_ptr() != original.untyped_storage().data_ptr()
 
@@ -62,7 +63,7 @@ def test_broadcast_coalesced_small_buckets_and_bad_size():
     tensors = [torch.randn(10) for _ in range(4)]
     out = _C.broadcast_coalesced(tensors, [CPU, CPU, CPU], buffer_size=16)
     for copies in out[1:]:
-        for original, copy in zip(tensors, copies):
+        for original, copy in zip(tensors, copies, strict=True):
             assert torch.equal(original, copy)
     with pytest.raises(ValueError, match="buffer_size"):
         _C.broadcast_coalesced(tensors, [CPU, CPU], buffer_size=0)
@@ -82,7 +83,7 @@ def test_reduce_add_coalesced_cpu():
     out = _C.reduce_add_coalesced(per_device, CPU)
     assert torch.equal(out[0], torch.full((2, 3), 2.0))
     assert torch.equal(out[1], 2 * torch.arange(4))
-    for result, first in zip(out, per_device[0]):
+    for result, first in zip(out, per_device[0], strict=True):
         assert result.data_ptr() != first.data_ptr()
 
 

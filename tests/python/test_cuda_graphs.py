@@ -369,8 +369,8 @@ def test_graphed_replicas_rebind_plain_aliases_of_registered_tensors():
         # the module's own buffers or (others) copies.
         buffer_storage = buffers if j == 0 else [b.clone() for b in buffers]
         leaves = [torch.nn.Parameter(p.detach().clone()) for p in params]
-        tensors = {id(p): leaf for p, leaf in zip(params, leaves)}
-        tensors.update({id(b): v for b, v in zip(buffers, buffer_storage)})
+        tensors = {id(p): leaf for p, leaf in zip(params, leaves, strict=True)}
+        tensors.update({id(b): v for b, v in zip(buffers, buffer_storage, strict=True)})
         graphs._install(net, copy, tensors, j)
         m = copy
         assert m.lin.weight is leaves[0] and m.lin.weight.is_leaf
@@ -479,7 +479,7 @@ class PinsMidForward(nn.Module):
         def pin():
             try:
                 self.pinned.append(torch.empty(1 << 16, dtype=torch.uint8, pin_memory=True))
-            except Exception as e:  # noqa: BLE001 - re-raised on this thread
+            except Exception as e:
                 errors.append(e)
 
         thread = threading.Thread(target=pin)
@@ -517,7 +517,7 @@ class Sized(nn.Module):
 def test_each_signature_keeps_its_own_output_constants(ids):
     # The constants of the outputs are kept per captured signature: two batch sizes, captured
     # one after the other, each replay gives its own.
-    net, ref, graphed, eager = _pair(Sized, ids, gather_output=False)
+    _net, _ref, graphed, eager = _pair(Sized, ids, gather_output=False)
     for rows in (8, 12, 8, 12):
         x = torch.randn(rows, 4, device=f"cuda:{ids[0]}")
         got, want = graphed(x), eager(x)

@@ -130,7 +130,9 @@ def test_cuda_on_without_cuda_runtime_fails_clearly(tmp_path):
 
 def test_a_toolkit_of_another_release_is_left_alone(tmp_path):
     release = other_release()
-    result = configure(tmp_path, *hide_pip_cuda_include(), path_first=str(fake_nvcc(tmp_path, release)))
+    result = configure(
+        tmp_path, *hide_pip_cuda_include(), path_first=str(fake_nvcc(tmp_path, release))
+    )
     assert result.returncode == 0, result.stdout
     assert f"is CUDA {release}, torch is built with CUDA {torch.version.cuda}" in result.stdout
     assert "torchdp: building without its CUDA fast paths" in result.stdout

@@ -9,10 +9,10 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+from dp_testing import exit_process, run_processes
 from torch import nn
 
 import torchdp
-from dp_testing import exit_process, run_processes
 
 WORLD = 2
 STEPS = 3

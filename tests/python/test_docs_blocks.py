@@ -40,7 +40,7 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # An optional marker line, then a ```python fence at the start of a line, up to the closing fence.
 _BLOCK = re.compile(
     r"(?:^<!--\s*docs-test:(?P<options>[^>]*?)-->\n)?^```python\n(?P<code>.*?)^```\s*$",
-    re.M | re.S,
+    re.MULTILINE | re.DOTALL,
 )
 _OPTION = re.compile(r"^(continue|gpus=[1-9]|needs=[A-Za-z_][\w.]*)$")
 

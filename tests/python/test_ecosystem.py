@@ -23,8 +23,9 @@ from torch.utils import _pytree
 import torchdp
 
 N = 3  # replicas
-DEVICES = [pytest.param(cpu_devices(N), id="cpu3")] + [
-    pytest.param([torch.device("cuda", 0)] * 2, id="cuda0x2", marks=pytest.mark.needs_cuda)
+DEVICES = [
+    pytest.param(cpu_devices(N), id="cpu3"),
+    pytest.param([torch.device("cuda", 0)] * 2, id="cuda0x2", marks=pytest.mark.needs_cuda),
 ]
 
 

@@ -338,16 +338,18 @@ def test_a_cache_that_cannot_be_joined_names_use_cache_false():
     # A static cache's layers record their batch size: 2, 2 and 1 after an uneven split.
     model = _decoder("llama")
     cache = transformers.StaticCache(config=model.config, max_cache_len=16)
-    with pytest.raises(
-        TypeError,
-        match=r"StaticCache objects along dim 0: its attribute "
-        r"'layers.batch_size' differs between replicas \(\[2, 2, 1\]\).*"
-        r"use_cache=False",
+    with (
+        pytest.raises(
+            TypeError,
+            match=r"StaticCache objects along dim 0: its attribute "
+            r"'layers.batch_size' differs between replicas \(\[2, 2, 1\]\).*"
+            r"use_cache=False",
+        ),
+        torch.no_grad(),
     ):
-        with torch.no_grad():
-            torchdp.DataParallel(model, devices=cpu_devices(3))(
-                input_ids=_ids(5, 6, seed=9), cache=cache, use_cache=True
-            )
+        torchdp.DataParallel(model, devices=cpu_devices(3))(
+            input_ids=_ids(5, 6, seed=9), cache=cache, use_cache=True
+        )
 
 
 # ---------------------------------------------------------------------------------------------

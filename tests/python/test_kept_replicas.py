@@ -329,7 +329,7 @@ def test_forwards_from_two_threads_on_one_wrapper():
         try:
             for _ in range(50):
                 torch.testing.assert_close(dp(xs[k]), expected[k])
-        except Exception as e:  # noqa: BLE001 - reported by the main thread
+        except Exception as e:
             errors.append(e)
 
     with torch.no_grad():
@@ -449,7 +449,7 @@ def test_replica_cache_binding():
     net, _ = pair()
     cache = _C.ReplicaCache()
     assert (cache.state, cache.builds, cache.reuses) == ("empty", 0, 0)
-    copies, plain_only, reused, buffers = cache.replicate(net, cpu_devices(2))
+    copies, plain_only, reused, _buffers = cache.replicate(net, cpu_devices(2))
     assert plain_only and not reused and cache.state == "lent"
     assert len(copies) == 2 and len(copies[1]) == len(list(net.modules()))
     assert not cache.park()  # `copies` still refers to them
@@ -739,7 +739,7 @@ def test_functional_data_parallel_keeps_replicas_per_module_without_keeping_the_
 def test_modules_that_cannot_be_dictionary_keys():
     # A class that defines __eq__ without __hash__ is unhashable: no kept replicas for it in the
     # functional form (keyed by the module), the same results; the wrapper keys on itself.
-    class Unhashable(nn.Module):
+    class Unhashable(nn.Module):  # noqa: PLW1641  unhashable on purpose
         def __init__(self) -> None:
             super().__init__()
             self.lin = nn.Linear(4, 2)

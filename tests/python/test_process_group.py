@@ -13,10 +13,10 @@ import traceback
 import pytest
 import torch
 import torch.distributed as dist
+from dp_testing import exit_process, run_processes
 from torch import nn
 
 import torchdp
-from dp_testing import exit_process, run_processes
 
 try:
     # The C++ DataParallel's side of these tests (tests/python/torchdp_testing.cpp): make test
@@ -80,7 +80,7 @@ class _SparseEmbedding(nn.Module):
         self.fc = nn.Linear(3, 3)
 
     def forward(self, ids: torch.Tensor, use: bool = True) -> torch.Tensor:
-        h = self.fc.weight.sum() * torch.ones(ids.shape + (3,), device=ids.device)
+        h = self.fc.weight.sum() * torch.ones((*ids.shape, 3), device=ids.device)
         return h + self.emb(ids) if use else h
 
 
@@ -366,7 +366,7 @@ def _worker(rank: int, backend: str, store: str, out_dir: str, devices: list[lis
             dist.barrier()
         finally:
             dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001  printed, and the exit code says it failed
+    except BaseException:
         traceback.print_exc()
         code = 1
     exit_process(code)
@@ -408,7 +408,7 @@ def _check(results: list[dict]) -> None:
     model = _mlp(seed=0)
     x, y = _batches()[0]
     nn.functional.mse_loss(model(x), y).backward()
-    for rank, res in enumerate(results):
+    for res in results:
         for got, p in zip(res["per_replica_grads"], model.parameters(), strict=True):
             torch.testing.assert_close(got, p.grad, rtol=1e-5, atol=1e-6)
 

@@ -11,7 +11,7 @@ README = (ROOT / "README.md").read_text()
 
 
 def blocks(language: str) -> list[str]:
-    return re.findall(rf"```{language}\n(.*?)```", README, re.S)
+    return re.findall(rf"```{language}\n(.*?)```", README, re.DOTALL)
 
 
 def test_readme_within_limits() -> None:

@@ -18,8 +18,9 @@ import weakref
 
 import pytest
 import torch
-import torchdp
 from torch import nn
+
+import torchdp
 
 DEVICE_LISTS = [
     pytest.param("cpu", id="cpu"),
@@ -48,7 +49,12 @@ def _python(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
     return subprocess.run(
-        [sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=env
+        [sys.executable, *args],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
     )
 
 

@@ -7,6 +7,7 @@ import functools
 import itertools
 import types
 import warnings
+from typing import ClassVar
 
 import pytest
 import torch
@@ -334,9 +335,11 @@ def test_a_failing_replication_callback_keeps_its_type_and_says_where():
         torchdp.replicate(net, cpu_devices(2))
     if hasattr(info.value, "__notes__"):  # Python >= 3.11
         assert info.value.__notes__ == [
-            "torchdp.replicate: raised by the __data_parallel_replicate__ callback of module '1' "
-            "(type test_a_failing_replication_callback_keeps_its_type_and_says_where.<locals>."
-            "Failing) for copy_id 1"
+            (
+                "torchdp.replicate: raised by the __data_parallel_replicate__ callback of module '1' "
+                "(type test_a_failing_replication_callback_keeps_its_type_and_says_where.<locals>."
+                "Failing) for copy_id 1"
+            )
         ]
     for k, v in net.state_dict().items():
         assert torch.equal(v, before[k])
@@ -530,7 +533,7 @@ class WatchesCollector(nn.Linear):
     """Records whether the garbage collector runs while its replicas are built, and can turn it
     off from there, as another thread could."""
 
-    seen: list[bool] = []
+    seen: ClassVar[list[bool]] = []
     disable = False
 
     def _replicate_for_data_parallel(self):

@@ -167,7 +167,7 @@ def test_one_wrapper_driven_from_several_threads():
                     out = dp(xs[k])
                     torch.testing.assert_close(out.detach(), expected[k])
                     out.pow(2).sum().backward()
-        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+        except BaseException as e:
             errors.append(e)
 
     workers = [threading.Thread(target=work, args=(k,)) for k in range(threads)]

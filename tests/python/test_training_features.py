@@ -46,7 +46,7 @@ def test_checkpointed_frozen_and_accumulated(reentrant, bucket_cap_mb):
     net = CheckpointedNet(reentrant)
     eager = clone_module(net)
     dp = torchdp.DataParallel(net, devices=cpu_devices(3), bucket_cap_mb=bucket_cap_mb)
-    for step in range(3):  # no zero_grad: gradients accumulate over the steps
+    for _step in range(3):  # no zero_grad: gradients accumulate over the steps
         x = torch.randn(7, 8)
         dp(x).pow(2).sum().backward()
         eager(x).pow(2).sum().backward()

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torchdp
 from dp_testing import cpu_devices
 from structure_cases import CASES, DEVICES, Case
+
+import torchdp
 from torchdp import _C, _tree
 from torchdp.parallel_apply import get_a_var
 

@@ -99,37 +99,33 @@ PYBIND11_MODULE(torchdp_testing, t, pybind11::mod_gil_not_used()) {
   t.attr("has_process_group") = static_cast<bool>(TORCHDP_WITH_C10D);
   // Python values become IValues through to_ivalue (tuples, lists, dicts of str keys, tensors,
   // numbers, strings, None) and come back as torch.jit gives them.
-  t.def(
-      "structure_scatter",
-      torch::wrap_pybind_function([](const pybind11::object& value,
-                                     const std::vector<c10::Device>& devices, int64_t dim) {
-        auto parts = torchdp::scatter(to_ivalue(value), devices, dim);
-        pybind11::list out;
-        for (auto& part : parts) {
-          out.append(torch::jit::toPyObject(std::move(part)));
-        }
-        return out;
-      }),
-      pybind11::arg("value"), pybind11::arg("devices"), pybind11::arg("dim") = 0,
-      "torchdp::scatter of a Python value: one value per replica.");
-  t.def(
-      "structure_gather",
-      torch::wrap_pybind_function([](const pybind11::list& outputs, c10::Device destination,
-                                     int64_t dim) {
-        std::vector<c10::IValue> values;
-        for (const auto& output : outputs) {
-          values.push_back(to_ivalue(output));
-        }
-        return torch::jit::toPyObject(torchdp::gather(values, destination, dim));
-      }),
-      pybind11::arg("outputs"), pybind11::arg("destination"), pybind11::arg("dim") = 0,
-      "torchdp::gather of per-replica Python values.");
-  t.def(
-      "structure_tensors",
-      torch::wrap_pybind_function([](const pybind11::object& value) {
-        return torchdp::detail::tensors_of(to_ivalue(value));
-      }),
-      pybind11::arg("value"), "The tensors inside a Python value, in the C++ engine's order.");
+  t.def("structure_scatter",
+        torch::wrap_pybind_function([](const pybind11::object& value,
+                                       const std::vector<c10::Device>& devices, int64_t dim) {
+          auto parts = torchdp::scatter(to_ivalue(value), devices, dim);
+          pybind11::list out;
+          for (auto& part : parts) {
+            out.append(torch::jit::toPyObject(std::move(part)));
+          }
+          return out;
+        }),
+        pybind11::arg("value"), pybind11::arg("devices"), pybind11::arg("dim") = 0,
+        "torchdp::scatter of a Python value: one value per replica.");
+  t.def("structure_gather",
+        torch::wrap_pybind_function(
+            [](const pybind11::list& outputs, c10::Device destination, int64_t dim) {
+              std::vector<c10::IValue> values;
+              for (const auto& output : outputs) {
+                values.push_back(to_ivalue(output));
+              }
+              return torch::jit::toPyObject(torchdp::gather(values, destination, dim));
+            }),
+        pybind11::arg("outputs"), pybind11::arg("destination"), pybind11::arg("dim") = 0,
+        "torchdp::gather of per-replica Python values.");
+  t.def("structure_tensors", torch::wrap_pybind_function([](const pybind11::object& value) {
+          return torchdp::detail::tensors_of(to_ivalue(value));
+        }),
+        pybind11::arg("value"), "The tensors inside a Python value, in the C++ engine's order.");
 #if TORCHDP_WITH_C10D
   t.def(
       "train_mlp",
