@@ -15,6 +15,8 @@
 #   make test-sanitize   the C++ and Python tests against an AddressSanitizer + UBSan build
 #   make test-torch TORCH_VERSION=X.Y.Z   `make test` in a fresh virtualenv with that torch (pip's
 #               default build: CUDA on Linux); NO_CUDA_TOOLKIT=1 as on a machine without the toolkit
+#   make test-freethreaded   the Python tests on a free-threaded CPython built from Debian's source
+#               package, failing when the GIL comes back on (tests/python/free_threaded.sh)
 # TORCHDP_REQUIRE_CUDA=1 makes a GPU run fail instead of skipping its CUDA cases and requires the
 # CUDA and NCCL fast paths at configure time.
 
@@ -39,7 +41,8 @@ CUDA_ARGS := -DTORCHDP_WITH_CUDA=ON -DTORCHDP_WITH_NCCL=ON
 endif
 
 .PHONY: all deps configure build test test-cpp consumer python test-python install-python demo \
-	demo-cpp bench soak clean test-sanitize docs check-install test-torch lint lint-tools format
+	demo-cpp bench soak clean test-sanitize docs check-install test-torch test-freethreaded lint \
+	lint-tools format
 
 all: build
 
@@ -256,6 +259,24 @@ test-torch:
 	  $(MAKE) --no-print-directory test PYTHON=$(TORCH_VENV)/bin/python BUILD=$(TORCH_BUILD)/build \
 	  TORCH_VERSION=$(TORCH_VERSION) || status=$$?; \
 	rm -f python/torchdp/_C.*.so python/torchdp/_build_info.py; exit $$status
+
+# The Python tests on a free-threaded CPython, with the GIL left to the modules (PYTHON_GIL unset),
+# in $(FT_BUILD) (tests/python/free_threaded.sh): CPython $(FT_PYTHON) built with --disable-gil from
+# the source package of Debian $(FT_DEBIAN_SUITE) (deb.debian.org, checked from the signed InRelease
+# down to the tarball; kept, so later runs skip it), then, as `make test-torch` does, a virtualenv
+# with torch==$(FT_TORCH_VERSION) (pip's default build, without triton), `make build` and `make
+# test-python` there, failing when the GIL comes on. 3.13t with torch 2.12, the newest torch with a
+# wheel for 3.13t: torch 2.15 has one for 3.14t (FT_PYTHON=3.14 FT_DEBIAN_SUITE=forky
+# FT_TORCH_VERSION=2.15.0), but deb.debian.org as the development machines reach it serves no
+# python3.14 source (404), so that is untested. About 13 minutes on 2 cores the first time (and
+# torch's download, 4 GB with its CUDA libraries), 2 to 3 later; not in CI (see CONTRIBUTING.md).
+FT_BUILD ?= build-freethreaded
+FT_PYTHON ?= 3.13
+FT_DEBIAN_SUITE ?= trixie
+FT_TORCH_VERSION ?= 2.12.0
+test-freethreaded:
+	FT_PYTHON=$(FT_PYTHON) FT_DEBIAN_SUITE=$(FT_DEBIAN_SUITE) TORCH_VERSION=$(FT_TORCH_VERSION) \
+	  JOBS=$(JOBS) bash tests/python/free_threaded.sh $(FT_BUILD)
 
 clean:
 	rm -rf $(BUILD) $(SAN_BUILD)

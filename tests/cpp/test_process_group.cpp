@@ -720,7 +720,8 @@ TEST_CASE("process_group: the process-group average over the replicas' sum or av
     });
     REQUIRE(errors == std::vector<std::string>(kWorld));
     // The processes' mean of their replicas' sum (average: over the two replicas too).
-    const auto want = x.sum({0, 1}).unsqueeze(0) / kWorld / (replica_average ? 2 : 1);
+    const auto want =
+        x.sum(torch::IntArrayRef{0, 1}).unsqueeze(0) / kWorld / (replica_average ? 2 : 1);
     for (const auto& g : grads) {
       CHECK(torch::allclose(g, want, 1e-5, 1e-6));
     }

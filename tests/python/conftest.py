@@ -6,12 +6,18 @@ Markers:
 
 Without the devices these tests are skipped, except when TORCHDP_REQUIRE_CUDA=1 (the GPU run),
 where they fail, so that a misconfigured GPU machine cannot pass silently.
+
+TORCHDP_REQUIRE_GIL_OFF=1 (make test-freethreaded) needs a free-threaded Python whose GIL stays off
+for the whole session: the first test before or in which it is on stops the run, naming it. A
+module that does not declare free-threading support turns the GIL on for good when imported, even
+when the import fails or its warning is caught, so warnings filters alone do not catch it.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import sysconfig
 
 import pytest
 import torch
@@ -22,11 +28,16 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from dp_testing import cpu_devices, cuda_devices
 
 REQUIRE_CUDA = os.environ.get("TORCHDP_REQUIRE_CUDA", "") == "1"
+REQUIRE_GIL_OFF = os.environ.get("TORCHDP_REQUIRE_GIL_OFF", "") == "1"
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "needs_cuda: needs a CUDA device")
     config.addinivalue_line("markers", "needs_multi_gpu: needs at least two CUDA devices")
+    if REQUIRE_GIL_OFF and not sysconfig.get_config_var("Py_GIL_DISABLED"):
+        raise pytest.UsageError(
+            f"TORCHDP_REQUIRE_GIL_OFF=1 needs a free-threaded Python, not {sys.executable}"
+        )
 
 
 __all__ = ["cpu_devices", "cuda_devices"]
@@ -63,6 +74,20 @@ def _cuda_requirements(request: pytest.FixtureRequest) -> None:
     if REQUIRE_CUDA:
         pytest.fail(f"TORCHDP_REQUIRE_CUDA=1 but this test {reason}", pytrace=False)
     pytest.skip(reason)
+
+
+@pytest.fixture(autouse=True)
+def _gil_stays_off(request: pytest.FixtureRequest):
+    """With TORCHDP_REQUIRE_GIL_OFF=1, stops the session at the first test that finds the GIL on."""
+    if REQUIRE_GIL_OFF and sys._is_gil_enabled():
+        pytest.exit(f"the GIL is on before {request.node.nodeid} (at collection or import)", 1)
+    yield
+    if REQUIRE_GIL_OFF and sys._is_gil_enabled():
+        pytest.exit(
+            f"the GIL came on during {request.node.nodeid}: a module it imported does not "
+            "declare free-threading support (python -W error::RuntimeWarning names it)",
+            1,
+        )
 
 
 @pytest.fixture(autouse=True)
