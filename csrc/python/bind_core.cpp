@@ -8,6 +8,7 @@
 #include <torchdp/comm.h>
 #include <torchdp/devices.h>
 #include <torchdp/parallel_apply.h>
+#include <torchdp/shares.h>
 
 #include <c10/core/DeviceGuard.h>
 #include <c10/util/Exception.h>
@@ -350,6 +351,29 @@ when a device of the list holds data).)doc");
         py::arg("tensors"), py::arg("devices"), py::arg("dim") = 0,
         "Differentiable ``scatter`` of every tensor at once: one list of chunks per replica, "
         "as many replicas as the fewest chunks of a tensor.");
+
+  m.def("share_rows",
+        without_gil([](const std::vector<double>& shares, int64_t rows, size_t devices,
+                       const std::string& api) {
+          return torchdp::share_rows(shares, rows, devices, api.c_str());
+        }),
+        py::arg("shares"), py::arg("rows"), py::arg("devices"), py::arg("api"),
+        "The rows of a batch of ``rows`` rows each of ``devices`` devices gets (Note [Uneven "
+        "shares]); ValueError naming ``api`` for shares that do not fit.");
+
+  m.def("scatter_shares",
+        without_gil([](const std::vector<at::Tensor>& tensors,
+                       const std::vector<c10::Device>& devices, const std::vector<double>& shares,
+                       int64_t dim, const std::string& api) {
+          auto split = torchdp::detail::scatter_shares(
+              tensors, devices, shares, dim, api.c_str(), [](size_t k) {
+                return c10::str("tensor ", k, " of the input");
+              });
+          return std::make_pair(std::move(split.index), std::move(split.parts));
+        }),
+        py::arg("tensors"), py::arg("devices"), py::arg("shares"), py::arg("dim"), py::arg("api"),
+        "``scatter_leaves`` by the rows ``shares`` give each device: ``(index, per_replica)``, "
+        "replica i on ``devices[index[i]]``; devices without rows get none.");
 
   m.def("gather_leaves",
         without_gil([](const std::vector<std::vector<at::Tensor>>& groups, c10::Device destination,

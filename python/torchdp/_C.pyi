@@ -56,6 +56,18 @@ def scatter_leaves(
     tensors: Sequence[Tensor], devices: Sequence[torch.device], dim: int = 0
 ) -> list[list[Tensor]]: ...
 
+# Note [Uneven shares]: the rows of a batch each device gets; ValueError naming api.
+def share_rows(shares: Sequence[float], rows: int, devices: int, api: str) -> list[int]: ...
+
+# scatter_leaves by shares: (index, per_replica), replica i on devices[index[i]].
+def scatter_shares(
+    tensors: Sequence[Tensor],
+    devices: Sequence[torch.device],
+    shares: Sequence[float],
+    dim: int,
+    api: str,
+) -> tuple[list[int], list[list[Tensor]]]: ...
+
 # gather() of each group (one tensor per replica), differentiably.
 def gather_leaves(
     groups: Sequence[Sequence[Tensor]], destination: torch.device, dim: int = 0

@@ -27,12 +27,13 @@ from torchdp._devices import (
     _check_balance,
     _check_device_ids,
     _check_dim,
+    _check_shares,
     _device_error,
     _resolve_explicit,
 )
 from torchdp._graphs import MAX_SIGNATURES, GraphedReplicas
 from torchdp._process_group import ProcessGroupSync, check_process_group
-from torchdp.parallel_apply import parallel_apply, record_function
+from torchdp.parallel_apply import get_a_var, parallel_apply, record_function
 from torchdp.replicate import (
     _bucket_bytes,
     _buffer_snapshot,
@@ -171,6 +172,24 @@ def _indices(
     if device_type == "cuda":
         _check_device_ids(ids, output, api)
     return ids, output
+
+
+def _running_ids(
+    device_ids: Sequence[Any], shares: Any, inputs: Sequence[Any], kwargs: Sequence[Any]
+) -> list[Any]:
+    """The devices of the replicas that run: the first ``len(inputs)``; with shares, those whose
+    chunk got rows, wherever they are in the list (Note [Uneven shares]): each chunk's tensors
+    are on its device."""
+    n = len(inputs)
+    if shares is None or n >= len(device_ids):
+        return list(device_ids[:n])
+    ids: list[Any] = []
+    for i, chunk in enumerate(inputs):
+        found = get_a_var((chunk, kwargs[i] if i < len(kwargs) else None))
+        if found is None:
+            return list(device_ids[:n])
+        ids.append(found.device)
+    return ids
 
 
 def _check_cuda_graphs(cuda_graphs: Any) -> int:
@@ -316,6 +335,13 @@ class DataParallel(_TorchDataParallel[T]):
         broadcast_buffers (bool, keyword-only): with a :attr:`process_group`, every forward with
             grad mode on first copies group rank 0's buffers to the other processes, as in
             ``DistributedDataParallel``. Default: ``True``.
+        shares (sequence of float, keyword-only): each device's share of the batch, weights
+            (``[1, 2, 2, 2]``) or row counts, one per device in :attr:`device_ids`, for devices of
+            different sizes or a smaller share on the device that also holds the gathered output
+            and the loss. The rows are divided as :func:`torchdp.scatter` divides them; devices
+            that get no rows do not run. The gathered output, a loss of it and the gradients are
+            those of the whole batch on one device. Not with ``cuda_graphs``. Default: ``None``
+            (equal shares, ``torch.chunk``'s split).
 
     Attributes:
         module (Module): the module to be parallelized.
@@ -336,6 +362,7 @@ class DataParallel(_TorchDataParallel[T]):
     cuda_graphs: int = 0
     cache_replicas: bool = True
     broadcast_buffers: bool = True
+    shares: list[float] | None = None
     require_backward_grad_sync: bool = True
     _place_module: bool = False
     _placed: bool = False
@@ -357,6 +384,7 @@ class DataParallel(_TorchDataParallel[T]):
         cache_replicas: bool = True,
         process_group: Any = None,
         broadcast_buffers: bool = True,
+        shares: Sequence[float] | None = None,
     ) -> None:
         """Wraps :attr:`module`; the arguments are described in the class docstring."""
         # Not torch.nn.DataParallel.__init__: the base class is there for isinstance checks.
@@ -371,6 +399,11 @@ class DataParallel(_TorchDataParallel[T]):
         self.bucket_cap_mb = bucket_cap_mb
         self.stale_attributes = check_stale_attribute_policy(stale_attributes, _API)
         self.cuda_graphs = _check_cuda_graphs(cuda_graphs)
+        if shares is not None and self.cuda_graphs:
+            raise ValueError(
+                f"{_API}: shares and cuda_graphs cannot be combined (a graph is captured for "
+                "one split of the batch); turn cuda_graphs off or leave shares unset"
+            )
         self.cache_replicas = bool(cache_replicas)
         self.broadcast_buffers = bool(broadcast_buffers)
         self.require_backward_grad_sync = True
@@ -394,6 +427,8 @@ class DataParallel(_TorchDataParallel[T]):
                     _warn_ignored_device_ids(device_ids)
                 self.module = module
                 self.device_ids = []
+                given = len(shares) if isinstance(shares, Sequence) else 0
+                self.shares = _check_shares(shares, given, _API)  # used with an accelerator
                 return
             _check_module(module, _API)
             self.device_ids, self.output_device = _indices(
@@ -402,6 +437,7 @@ class DataParallel(_TorchDataParallel[T]):
             self.src_device_obj = torch.device(device_type, self.device_ids[0])
             if device_type == "cuda":
                 _check_balance(self.device_ids)
+        self.shares = _check_shares(shares, len(self.device_ids), _API)
         self.dim = dim
         self.module = module
         if len(self.device_ids) == 1:
@@ -484,12 +520,19 @@ class DataParallel(_TorchDataParallel[T]):
             if n == 1:
                 return watch(self._one_output(self.module(*chunks[0], **chunk_kwargs[0])))
             chunks, chunk_kwargs = _check_chunks(
-                inputs, kwargs, chunks, chunk_kwargs, n, self.dim, _API
+                inputs,
+                kwargs,
+                chunks,
+                chunk_kwargs,
+                n if self.shares is None else 0,
+                self.dim,
+                _API,
             )
+            ids = _running_ids(self.device_ids, self.shares, chunks, chunk_kwargs)
             return watch(
                 _run_replicated(
                     self.module,
-                    lambda: self.replicate(self.module, self.device_ids[: len(chunks)]),
+                    lambda: self.replicate(self.module, ids),
                     lambda replicas: self.parallel_apply(replicas, chunks, chunk_kwargs),
                     self._gathered,
                     lambda: _weak_entry(_REPLICA_CACHES, self, None),
@@ -569,8 +612,11 @@ class DataParallel(_TorchDataParallel[T]):
         kwargs: dict[str, Any] | None,
         device_ids: Sequence[int | torch.device],
     ) -> Any:
-        """Splits positional and keyword arguments across :attr:`device_ids` along ``dim``."""
-        return scatter_kwargs(inputs, kwargs, device_ids, dim=self.dim)
+        """Splits positional and keyword arguments across :attr:`device_ids` along ``dim``, by
+        :attr:`shares` when set."""
+        if self.shares is None:
+            return scatter_kwargs(inputs, kwargs, device_ids, dim=self.dim)
+        return scatter_kwargs(inputs, kwargs, device_ids, dim=self.dim, shares=self.shares)
 
     def parallel_apply(
         self, replicas: Sequence[T], inputs: Sequence[Any], kwargs: Any
@@ -580,7 +626,7 @@ class DataParallel(_TorchDataParallel[T]):
             replicas,
             inputs,
             kwargs,
-            self.device_ids[: len(replicas)],
+            _running_ids(self.device_ids, self.shares, inputs, kwargs or ())[: len(replicas)],
             serial=self.serial_forward or _first_compiled_call(self.module, inputs, kwargs),
         )
 
@@ -644,6 +690,7 @@ def data_parallel(
     devices: Sequence[DeviceLike] | None = None,
     stale_attributes: str | None = None,
     cache_replicas: bool = True,
+    shares: Sequence[float] | None = None,
 ) -> Any:
     r"""Evaluates ``module(*inputs, **module_kwargs)`` in parallel across devices: the functional
     form of :class:`DataParallel`, a drop-in for :func:`torch.nn.parallel.data_parallel`.
@@ -666,6 +713,8 @@ def data_parallel(
             Default: ``None``.
         cache_replicas (bool, keyword-only): keep the replica modules of :attr:`module` between
             calls, as :class:`DataParallel` does. Default: ``True``.
+        shares (sequence of float, keyword-only): each device's share of the batch, as in
+            :class:`DataParallel`. Default: ``None`` (equal shares).
 
     Returns:
         The gathered output of the module, on :attr:`output_device`.
@@ -696,15 +745,24 @@ def data_parallel(
     if found is not None:
         raise _device_error(src_device, found, wrapper=False)
 
+    checked = _check_shares(shares, len(used_ids), api)
     if len(used_ids) > 1:
         _C.check_forward_context(api)
-    chunks, chunk_kwargs = _nonempty(*scatter_kwargs(inputs, module_kwargs, used_ids, dim))
+    chunks, chunk_kwargs = _nonempty(
+        *scatter_kwargs(inputs, module_kwargs, used_ids, dim, shares=checked)
+    )
     if len(used_ids) == 1:
         return module(*chunks[0], **chunk_kwargs[0])
     chunks, chunk_kwargs = _check_chunks(
-        inputs, module_kwargs, chunks, chunk_kwargs, len(used_ids), dim, api
+        inputs,
+        module_kwargs,
+        chunks,
+        chunk_kwargs,
+        len(used_ids) if checked is None else 0,
+        dim,
+        api,
     )
-    used = used_ids[: len(chunks)]
+    used = _running_ids(used_ids, checked, chunks, chunk_kwargs)
     cache = _weak_entry(_FUNCTIONAL_CACHES, module, _C.ReplicaCache) if cache_replicas else None
 
     def replicate_fn() -> list[nn.Module]:
