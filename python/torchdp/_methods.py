@@ -60,6 +60,20 @@ def check_method(module: nn.Module, name: Any) -> None:
         )
 
 
+def missing_attribute(dp: nn.Module, name: str, error: AttributeError) -> AttributeError:
+    """``error`` (the wrapper has no attribute ``name``), saying how to call the wrapped module's
+    method of that name where it has one."""
+    module = dp.__dict__.get("_modules", {}).get("module")
+    attr = getattr(type(module), name, None) if module is not None else None
+    if not callable(attr) or name.startswith("__"):
+        return error
+    return AttributeError(
+        f"{error}; the wrapped module's {type(module).__qualname__}.{name} runs split over the "
+        f"devices through dp.parallel_method({name!r})(...), or on one device as "
+        f"dp.module.{name}(...)"
+    )
+
+
 # Note [Parameters of replicas in method calls]
 # A replica's parameter copies are plain attributes (they are not leaves), so its parameters()
 # lists nothing, as in PyTorch. Forward rarely asks, but other methods do: transformers'

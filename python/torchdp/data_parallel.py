@@ -567,6 +567,12 @@ class DataParallel(_TorchDataParallel[T]):
         """
         return _methods.ParallelMethod(self, name, pad_value)
 
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError as error:
+            raise _methods.missing_attribute(self, name, error) from None
+
     def _before_forward(self) -> Callable[[Any], Any]:
         """A forward's checks and the process group's work before the module runs; returns what
         the outputs go through."""
