@@ -15,8 +15,8 @@
 
 #include <algorithm>
 #include <cmath>
-#include <utility>
 #include <map>
+#include <utility>
 
 namespace torchdp::comm {
 namespace {
@@ -462,9 +462,9 @@ at::Tensor gather(at::TensorList tensors, c10::Device destination_in, int64_t di
       TORCH_CHECK(false, api, ": input tensor at index ", i, " has invalid shape ", t.sizes(),
                   ", but expected ", c10::IntArrayRef(expected),
                   " (all dimensions but dim=", wrapped, " must match",
-                  pad_value ? "; padding only evens out sizes, the number of dimensions must match"
-                            : "; to pad tensors that differ in other dimensions to the largest "
-                              "size, give a pad value (pad_value)",
+                  t.dim() != first.dim() ? ""
+                                         : "; to pad tensors that differ in other dimensions to "
+                                           "the largest size, give a pad value (pad_value)",
                   ")");
     }
     total += t.size(wrapped);
