@@ -44,11 +44,13 @@ def scatter(
 ) -> list[Tensor]: ...
 
 # All-0-dim inputs along dim 0: a vector and PyTorch's UserWarning (differentiable=False raises).
+# pad_value: tensors that differ in other dims are padded at their end to the largest size.
 def gather(
     tensors: Sequence[Tensor],
     destination: torch.device,
     dim: int = 0,
     differentiable: bool = True,
+    pad_value: complex | None = None,
 ) -> Tensor: ...
 
 # scatter() of every tensor: one list of chunks per replica, as many as the fewest chunks.
@@ -68,9 +70,12 @@ def scatter_shares(
     api: str,
 ) -> tuple[list[int], list[list[Tensor]]]: ...
 
-# gather() of each group (one tensor per replica), differentiably.
+# gather() of each group (one tensor per replica), differentiably, padded as gather().
 def gather_leaves(
-    groups: Sequence[Sequence[Tensor]], destination: torch.device, dim: int = 0
+    groups: Sequence[Sequence[Tensor]],
+    destination: torch.device,
+    dim: int = 0,
+    pad_value: complex | None = None,
 ) -> list[Tensor]: ...
 
 # fns[i]() on worker i (fns[0], or all with serial=True, on the caller) with devices[i] and the

@@ -20,7 +20,7 @@ from torch._utils import (
     _get_device_index,
 )
 
-from torchdp import _C, _tree
+from torchdp import _C, _methods, _tree
 from torchdp._attributes import check_stale_attribute_policy
 from torchdp._devices import (
     DeviceLike,
@@ -506,19 +506,32 @@ class DataParallel(_TorchDataParallel[T]):
         An exception in a replica's forward is raised again with its type, the message
         naming the replica and its device.
         """
-        with record_function("DataParallel.forward"):
+        return self._call_module(None, None, inputs, kwargs)
+
+    def _call_module(
+        self, method: str | None, pad_value: Any, inputs: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """The forward, or with ``method`` that method of the module (:meth:`parallel_method`);
+        ``pad_value`` goes to :meth:`gather`."""
+        with record_function(f"DataParallel.{method or 'forward'}"):
             watch = self._before_forward()
             if not self.device_ids:
-                return watch(self._one_output(self.module(*inputs, **kwargs)))
+                return watch(
+                    self._one_output(_methods.bound(self.module, method)(*inputs, **kwargs))
+                )
             n = len(self.device_ids)
             if n > 1:
                 _C.check_forward_context(_API)
             chunks, chunk_kwargs = _nonempty(*self.scatter(inputs, kwargs, self.device_ids))
-            outputs = self._graphed_outputs(chunks, chunk_kwargs) if self.cuda_graphs else None
+            graphed = self.cuda_graphs and method is None  # methods run eagerly
+            outputs = self._graphed_outputs(chunks, chunk_kwargs) if graphed else None
             if outputs is not None:
-                return watch(self._one_output(outputs[0]) if n == 1 else self._gathered(outputs))
+                return watch(
+                    self._one_output(outputs[0]) if n == 1 else self._gathered(outputs, pad_value)
+                )
             if n == 1:
-                return watch(self._one_output(self.module(*chunks[0], **chunk_kwargs[0])))
+                call = _methods.bound(self.module, method)
+                return watch(self._one_output(call(*chunks[0], **chunk_kwargs[0])))
             chunks, chunk_kwargs = _check_chunks(
                 inputs,
                 kwargs,
@@ -533,11 +546,75 @@ class DataParallel(_TorchDataParallel[T]):
                 _run_replicated(
                     self.module,
                     lambda: self.replicate(self.module, ids),
-                    lambda replicas: self.parallel_apply(replicas, chunks, chunk_kwargs),
-                    self._gathered,
+                    lambda replicas: self.parallel_apply(
+                        _methods.bound_replicas(replicas, method), chunks, chunk_kwargs
+                    ),
+                    lambda outputs: self._gathered(outputs, pad_value),
                     lambda: _weak_entry(_REPLICA_CACHES, self, None),
                 )
             )
+
+    def parallel_method(self, name: str, *, pad_value: Any = None) -> Callable[..., Any]:
+        r"""The wrapped module's method ``name``, run split over the devices as :meth:`forward`
+        runs the module: ``dp.parallel_method("generate")(input_ids, max_new_tokens=8)``.
+
+        Calling the result scatters its arguments as :meth:`forward` does, replicates the module,
+        calls ``replica.<name>(...)`` on each replica's share through :meth:`parallel_apply` and
+        gathers the outputs, through the same overridable :meth:`scatter`, :meth:`replicate`,
+        :meth:`parallel_apply` and :meth:`gather`, post-replicate hooks, device check and
+        rollback of the buffers of a failed call. With one device, or no accelerator and no
+        ``devices=``, the method is called on :attr:`module` directly. ``parallel_method("forward")``
+        is the forward (without the hooks of the wrapper itself).
+
+        The options are given here, not with the method's arguments, so they never clash with
+        the method's own keyword arguments.
+
+        :meth:`parallel_apply` gets, instead of the replicas, callables that run the method on
+        them (each with its replica as ``.module``). While a replica runs the method, its
+        ``parameters()`` lists its parameter copies (a replica's forward lists none, as in
+        PyTorch), for methods that read the device or dtype from them, as transformers'
+        ``generate`` does. CUDA graphs apply to the forward only; other methods run eagerly.
+
+        Args:
+            name (str): the name of a method (or other callable attribute) of :attr:`module`.
+            pad_value (number, keyword-only): outputs whose tensors differ in size along a
+                dimension other than :attr:`dim` (sequences generated to different lengths) are
+                padded at the end of that dimension with this value to the largest size before
+                they are concatenated; without it such outputs raise. For token ids, the
+                tokenizer's ``pad_token_id``. Default: ``None``.
+
+        Returns:
+            A callable taking the method's arguments and returning its gathered output.
+
+        Raises:
+            AttributeError: :attr:`module` has no attribute ``name``.
+            TypeError: ``name`` is not a str, the attribute is not callable, or ``pad_value`` is
+                not a number.
+
+        Example::
+
+            >>> class Scaler(torch.nn.Module):
+            ...     def __init__(self):
+            ...         super().__init__()
+            ...         self.weight = torch.nn.Parameter(torch.ones(3))
+            ...
+            ...     def scaled(self, x, factor, *, shift=0.0):
+            ...         return x * self.weight * factor + shift
+            >>> dp = torchdp.DataParallel(Scaler(), devices=[torch.device("cpu")] * 2)
+            >>> dp.parallel_method("scaled")(torch.ones(4, 3), 2.0, shift=1.0).shape
+            torch.Size([4, 3])
+            >>> # generate() of a transformers model, sequences padded to the longest:
+            >>> tokens = dp_lm.parallel_method("generate", pad_value=tok.pad_token_id)(
+            ...     input_ids, attention_mask=mask, max_new_tokens=20, do_sample=False
+            ... )
+        """
+        return _methods.ParallelMethod(self, name, pad_value)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError as error:
+            raise _methods.missing_attribute(self, name, error) from None
 
     def _before_forward(self) -> Callable[[Any], Any]:
         """A forward's checks and the process group's work before the module runs; returns what
@@ -565,11 +642,14 @@ class DataParallel(_TorchDataParallel[T]):
         """The output of a forward that ran once, where the module put it."""
         return output if self.gather_output else [output]
 
-    def _gathered(self, outputs: Sequence[Any]) -> Any:
+    def _gathered(self, outputs: Sequence[Any], pad_value: Any = None) -> Any:
         """The outputs gathered on :attr:`output_device` (as they are, with gather_output=False)."""
         if not self.gather_output:
             return list(outputs)
-        return self.gather(outputs, self.output_device)
+        if pad_value is None:
+            return self.gather(outputs, self.output_device)
+        with _methods.padding(pad_value):
+            return self.gather(outputs, self.output_device)
 
     def _graphed_outputs(self, inputs: Any, kwargs: Any) -> list[Any] | None:
         graphed = _GRAPHED.get(self)
@@ -631,8 +711,9 @@ class DataParallel(_TorchDataParallel[T]):
         )
 
     def gather(self, outputs: Any, output_device: int | torch.device) -> Any:
-        """Concatenates the replicas' outputs on :attr:`output_device` along ``dim``."""
-        return gather(outputs, output_device, dim=self.dim)
+        """Concatenates the replicas' outputs on :attr:`output_device` along ``dim`` (padded with
+        the ``pad_value`` of a :meth:`parallel_method` call)."""
+        return gather(outputs, output_device, dim=self.dim, pad_value=_methods.PAD_VALUE.get())
 
 
 # Input signatures of a compiled module whose first call runs the replicas in order (dynamo's

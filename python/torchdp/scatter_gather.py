@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import cmath
 import copy
+import numbers
 import operator
 import warnings
 from collections.abc import Callable, Sequence
@@ -202,6 +203,22 @@ def scatter_kwargs(
     return tuple(scattered_inputs), tuple(scattered_kwargs)
 
 
+def _check_pad_value(pad_value: Any, api: str) -> bool | int | float | complex | None:
+    """``pad_value`` as a Python number (a one-element tensor or a NumPy scalar converted), or
+    ``None``; a TypeError naming ``api`` for anything else."""
+    if pad_value is None or isinstance(pad_value, (bool, int, float, complex)):
+        return pad_value
+    if isinstance(pad_value, torch.Tensor) and pad_value.numel() == 1:
+        return pad_value.item()
+    if isinstance(pad_value, numbers.Number) and hasattr(pad_value, "item"):
+        return pad_value.item()
+    raise TypeError(
+        f"{api}: pad_value must be a number (the value that pads outputs of different sizes, "
+        f"e.g. the tokenizer's pad_token_id) or None, got {type(pad_value).__qualname__} "
+        f"{pad_value!r:.40}"
+    )
+
+
 class _GatherTarget:
     """The destination of a gather; remembers whether a tensor went to the CPU through -1."""
 
@@ -258,10 +275,10 @@ class _Join:
     the gathered structure's leaves and spec, the tensors joined in one call into C++ at the end
     (``places``: where each group's tensor goes among the leaves)."""
 
-    __slots__ = ("dim", "groups", "leaves", "places", "target")
+    __slots__ = ("dim", "groups", "leaves", "pad_value", "places", "target")
 
-    def __init__(self, target: _GatherTarget, dim: int) -> None:
-        self.target, self.dim = target, dim
+    def __init__(self, target: _GatherTarget, dim: int, pad_value: Any = None) -> None:
+        self.target, self.dim, self.pad_value = target, dim, pad_value
         self.leaves: list[Any] = []
         self.groups: list[list[torch.Tensor]] = []
         self.places: list[int] = []
@@ -443,7 +460,9 @@ class _Join:
         RuntimeErrors, name the tensor's index and shape)."""
         if self.groups:
             self.target.used = True
-            joined = _C.gather_leaves(self.groups, self.target.device, self.dim)
+            joined = _C.gather_leaves(
+                self.groups, self.target.device, self.dim, pad_value=self.pad_value
+            )
             for place, tensor in zip(self.places, joined, strict=True):
                 self.leaves[place] = tensor
         return self.leaves
@@ -462,7 +481,7 @@ def _constant(outputs: Sequence[Any]) -> Any:
     )
 
 
-def gather(outputs: Any, target_device: DeviceLike, dim: int = 0) -> Any:
+def gather(outputs: Any, target_device: DeviceLike, dim: int = 0, *, pad_value: Any = None) -> Any:
     r"""Gathers per-device outputs onto one device, as :func:`torch.nn.parallel.gather`.
 
     Tensors are concatenated along :attr:`dim` (differentiably); 0-dim tensors along dim 0
@@ -474,6 +493,10 @@ def gather(outputs: Any, target_device: DeviceLike, dim: int = 0) -> Any:
         target_device (int, str or torch.device): where to put the result; ``'cpu'`` for the
             CPU (``-1`` too, deprecated with a FutureWarning as in PyTorch).
         dim (int, optional): the dimension to concatenate along. Default: ``0``.
+        pad_value (number, keyword-only): tensors that differ in size along another dimension
+            (sequences generated to different lengths) are padded at its end with this value to
+            the largest size; padded positions get no gradient. Without it (the default, as
+            PyTorch) such tensors raise a ``RuntimeError``.
 
     Returns:
         The gathered structure.
@@ -490,11 +513,12 @@ def gather(outputs: Any, target_device: DeviceLike, dim: int = 0) -> Any:
             "torchdp.gather: expected one output per replica, got an empty sequence of outputs"
         )
     dim = _check_dim(dim, "torchdp.gather")
+    pad_value = _check_pad_value(pad_value, "torchdp.gather")
     if all(isinstance(o, torch.Tensor) for o in outputs):  # the common case, with no walk
         target.used = True
-        result = _C.gather(list(outputs), target.device, dim, True)
+        result = _C.gather(list(outputs), target.device, dim, True, pad_value)
     else:
-        join = _Join(target, dim)
+        join = _Join(target, dim, pad_value)
         spec = join.pair(outputs)
         result = _tree.unflatten(spec, join.join())
     if target.minus_one and target.used:
