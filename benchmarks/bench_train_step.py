@@ -20,9 +20,13 @@ model with a 50k-token output layer, fp32, peak memory per GPU and ``mem_ratio_g
 ``single``, ``torch_dp``, ``torchdp`` and ``ddp`` (the loss on GPU 0) it times the loss per
 replica: ``torchdp_balanced`` (``gather_output=False`` with ``DataParallelCriterion``) and
 ``torch_dp_balanced`` (model and loss in one module, each replica returning its loss).
+``--shares 1,2`` gives the torchdp modes uneven shares of the batch (``DataParallel(shares=)``,
+recorded as ``shares``), a smaller first share for a smaller GPU 0 peak; ``--device-ids 0,0`` runs
+the data-parallel modes on those GPUs (a GPU may repeat: two replicas on one GPU).
 
     python benchmarks/bench_train_step.py --out results/train_step.json         # 2 H200: ~1.5 min
     python benchmarks/bench_train_step.py --memory --out results/memory.json    # 2 H200: ~1 min
+    python benchmarks/bench_train_step.py --memory --device-ids 0,0 --shares 1,2 --out /tmp/m.json
     python benchmarks/bench_train_step.py --smoke --out /tmp/ts.json            # CPU, < 60 s
 """
 
@@ -89,8 +93,10 @@ class LossInReplica(nn.Module):
         return models.loss(self.model(x), target)
 
 
-def wrap(mode: str, model: nn.Module, devices: list[torch.device]) -> nn.Module:
-    """The data-parallel module of a one-process mode over `devices`."""
+def wrap(
+    mode: str, model: nn.Module, devices: list[torch.device], shares: list[float] | None = None
+) -> nn.Module:
+    """The data-parallel module of a one-process mode over `devices` (torchdp's with `shares`)."""
     if mode.startswith("torch_dp"):
         if mode == "torch_dp_balanced":
             model = LossInReplica(model)
@@ -102,6 +108,7 @@ def wrap(mode: str, model: nn.Module, devices: list[torch.device]) -> nn.Module:
         "cache_replicas": mode != "torchdp_new_replicas",
         "cuda_graphs": mode in GRAPH_MODES,
         "gather_output": mode != "torchdp_balanced",
+        "shares": shares,
     }
     return torchdp.DataParallel(model, devices=devices, **options)
 
@@ -142,14 +149,16 @@ def grad_check(master: nn.Module, x, target, dtype: str, devices: list) -> dict[
     return result
 
 
-def run_local(mode: str, master: nn.Module, x, target, dtype: str, devices: list, run) -> dict:
+def run_local(
+    mode: str, master: nn.Module, x, target, dtype: str, devices: list, run, shares=None
+) -> dict:
     """Times one mode in this process over `devices`; the record's fields (raises on failure)."""
     model = copy.deepcopy(master).to(x.device)
     if mode == "single_shard":
         share = x.shape[0] // len(devices)
         x, target = x[:share], None if target is None else target[:share]
         devices = devices[:1]
-    net = model if mode in ("single", "single_shard") else wrap(mode, model, devices)
+    net = model if mode in ("single", "single_shard") else wrap(mode, model, devices, shares)
     if net is model or (mode.startswith("torch_dp") and devices[0].type == "cpu"):
         devices = devices[:1]  # the plain model, or torch.nn.DataParallel's passthrough
     if mode == "torchdp_balanced":
@@ -278,18 +287,37 @@ def run_processes(jobs: list[dict], world: int, run: common.RunSettings) -> list
     return [outs.get(i, {"error": f"no result from the ranks ({why})"}) for i in range(len(jobs))]
 
 
+def device_ids_and_shares(args: Any) -> tuple[list[int] | None, list[float] | None]:
+    """--device-ids and --shares as lists (None when not given); exits on bad values."""
+    try:
+        ids = [int(x) for x in args.device_ids.split(",")] if args.device_ids else None
+        shares = [float(x) for x in args.shares.split(",")] if args.shares else None
+    except ValueError:
+        sys.exit("--device-ids and --shares take comma-separated numbers, e.g. 0,0 and 1,2")
+    if ids is not None and (len(ids) < 2 or args.gpus):
+        sys.exit("--device-ids needs two or more GPUs (e.g. 0,0) and replaces --gpus")
+    return ids, shares
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = common.parser(__doc__, "default 3 and 10 steps (--memory 2 and 5; smoke 1 and 2)")
     parser.add_argument("--memory", action="store_true", help="the memory run (see above)")
     parser.add_argument("--models", default=None, help="comma list of models.py's models")
     parser.add_argument("--dtypes", default=None, help="comma list of fp32,bf16")
     parser.add_argument("--modes", default=None, help="comma list of the modes above")
+    parser.add_argument("--shares", default=None, help="torchdp's shares per device, e.g. 1,2")
+    parser.add_argument("--device-ids", default=None, help="GPUs of the parallel modes, e.g. 0,0")
     args = parser.parse_args(argv)
+    ids, shares = device_ids_and_shares(args)
     memory = args.memory
     if memory:
         run = common.start_run(args, warmup=(2, 1), steps=(5, 1), budget=120.0)
     else:
         run = common.start_run(args, warmup=(3, 1), steps=(10, 2), budget=200.0)
+    if ids is not None and not run.smoke:
+        run.counts = [1, len(ids)]  # the one-GPU modes, and the parallel ones on those GPUs
+    if shares is not None and any(g != len(shares) for g in run.multi or [2]):
+        sys.exit(f"--shares {args.shares}: give one share per GPU of the run ({run.multi or [2]})")
     suite = [
         n for n, spec in models.MODELS.items() if spec.suite == ("memory" if memory else "train")
     ]
@@ -299,6 +327,8 @@ def main(argv: list[str] | None = None) -> int:
     modes = common.parse_list(args.modes, all_modes, "modes")
     if not args.modes:
         modes = [m for m in modes if m not in OPT_IN_MODES and not (run.smoke and m in GRAPH_MODES)]
+        if ids is not None:  # one process per GPU: not on a list of repeated GPUs
+            modes = [m for m in modes if m not in PROCESS_MODES]
     results = common.Results("memory" if memory else "train_step")
     singles: dict[tuple[str, str], float] = {}
     common.progress(
@@ -379,13 +409,18 @@ def main(argv: list[str] | None = None) -> int:
                         add(rec, error=setup_error or SKIPPED)
                         continue
                     devices = [run.dev0] * g if mode == "single_shard" else run.devices(g)
+                    if ids is not None and not run.smoke and mode not in ONE_GPU_MODES:
+                        devices = [torch.device("cuda", i) for i in ids]
+                    sharing = shares if mode.startswith("torchdp") and g > 1 else None
+                    if sharing:
+                        rec["shares"] = sharing
                     if mode == "torchdp" and not memory:
                         try:
                             rec.update(grad_check(master, x, target, dtype, devices))
                         except Exception as exc:  # noqa: BLE001 - the check failed, not the mode
                             rec.update(grads_match_torch_dp=None, grads_check_error=str(exc))
                     try:
-                        add(rec, run_local(mode, master, x, target, dtype, devices, run))
+                        add(rec, run_local(mode, master, x, target, dtype, devices, run, sharing))
                     except Exception as exc:  # noqa: BLE001 - recorded, the run goes on
                         add(rec, error=common.error_text(exc))
                     common.free_memory()

@@ -8,6 +8,7 @@
 #include <torchdp/comm.h>
 #include <torchdp/devices.h>
 #include <torchdp/parallel_apply.h>
+#include <torchdp/shares.h>
 
 #include <c10/core/DeviceGuard.h>
 #include <c10/util/Exception.h>
@@ -22,6 +23,50 @@
 #include <vector>
 
 namespace py = pybind11;
+
+namespace torchdp::python {
+
+// A gather's pad value: a Python bool, int, float or complex, or None. torch's pybind11 caster of
+// c10::Scalar only converts to Python, so this one converts from it.
+struct PadValue {
+  std::optional<at::Scalar> value;
+};
+
+} // namespace torchdp::python
+
+namespace pybind11::detail {
+
+template <>
+struct type_caster<torchdp::python::PadValue> {
+  PYBIND11_TYPE_CASTER(torchdp::python::PadValue, const_name("complex | None"));
+
+  bool load(handle src, bool /*convert*/) {
+    PyObject* o = src.ptr();
+    if (src.is_none()) {
+      value.value = std::nullopt;
+    } else if (PyBool_Check(o)) {
+      value.value = at::Scalar(o == Py_True);
+    } else if (PyLong_Check(o)) {
+      int overflow = 0;
+      const long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
+      if (overflow != 0 || (v == -1 && PyErr_Occurred())) {
+        PyErr_Clear();
+        return false;
+      }
+      value.value = at::Scalar(static_cast<int64_t>(v));
+    } else if (PyFloat_Check(o)) {
+      value.value = at::Scalar(PyFloat_AsDouble(o));
+    } else if (PyComplex_Check(o)) {
+      value.value =
+          at::Scalar(c10::complex<double>(PyComplex_RealAsDouble(o), PyComplex_ImagAsDouble(o)));
+    } else {
+      return false;
+    }
+    return true;
+  }
+};
+
+} // namespace pybind11::detail
 
 namespace torchdp::python {
 namespace {
@@ -316,15 +361,16 @@ when a device of the list holds data).)doc");
 
   m.def("gather",
         without_gil([](const std::vector<at::Tensor>& tensors, c10::Device destination, int64_t dim,
-                       bool differentiable) {
+                       bool differentiable, const PadValue& pad) {
           if (differentiable) {
-            return torchdp::autograd::gather(tensors, destination, dim);
+            return torchdp::autograd::gather(tensors, destination, dim, pad.value);
           }
-          return torchdp::comm::gather(tensors, destination, dim);
+          return torchdp::comm::gather(tensors, destination, dim, pad.value);
         }),
         py::arg("tensors"), py::arg("destination"), py::arg("dim") = 0,
-        py::arg("differentiable") = true,
-        "Concatenates ``tensors`` along ``dim`` on ``destination``.");
+        py::arg("differentiable") = true, py::arg("pad_value") = py::none(),
+        "Concatenates ``tensors`` along ``dim`` on ``destination``; with ``pad_value``, tensors "
+        "that differ in other dimensions are padded at their end to the largest size.");
 
   m.def("scatter_leaves",
         without_gil([](const std::vector<at::Tensor>& tensors,
@@ -351,18 +397,43 @@ when a device of the list holds data).)doc");
         "Differentiable ``scatter`` of every tensor at once: one list of chunks per replica, "
         "as many replicas as the fewest chunks of a tensor.");
 
+  m.def("share_rows",
+        without_gil([](const std::vector<double>& shares, int64_t rows, size_t devices,
+                       const std::string& api) {
+          return torchdp::share_rows(shares, rows, devices, api.c_str());
+        }),
+        py::arg("shares"), py::arg("rows"), py::arg("devices"), py::arg("api"),
+        "The rows of a batch of ``rows`` rows each of ``devices`` devices gets (Note [Uneven "
+        "shares]); ValueError naming ``api`` for shares that do not fit.");
+
+  m.def("scatter_shares",
+        without_gil([](const std::vector<at::Tensor>& tensors,
+                       const std::vector<c10::Device>& devices, const std::vector<double>& shares,
+                       int64_t dim, const std::string& api) {
+          auto split = torchdp::detail::scatter_shares(
+              tensors, devices, shares, dim, api.c_str(), [](size_t k) {
+                return c10::str("tensor ", k, " of the input");
+              });
+          return std::make_pair(std::move(split.index), std::move(split.parts));
+        }),
+        py::arg("tensors"), py::arg("devices"), py::arg("shares"), py::arg("dim"), py::arg("api"),
+        "``scatter_leaves`` by the rows ``shares`` give each device: ``(index, per_replica)``, "
+        "replica i on ``devices[index[i]]``; devices without rows get none.");
+
   m.def("gather_leaves",
         without_gil([](const std::vector<std::vector<at::Tensor>>& groups, c10::Device destination,
-                       int64_t dim) {
+                       int64_t dim, const PadValue& pad) {
           std::vector<at::Tensor> out;
           out.reserve(groups.size());
           for (const auto& group : groups) {
-            out.push_back(torchdp::autograd::gather(group, destination, dim));
+            out.push_back(torchdp::autograd::gather(group, destination, dim, pad.value));
           }
           return out;
         }),
         py::arg("groups"), py::arg("destination"), py::arg("dim") = 0,
-        "Differentiable ``gather`` of each group of tensors (one from each replica) at once.");
+        py::arg("pad_value") = py::none(),
+        "Differentiable ``gather`` of each group of tensors (one from each replica) at once, "
+        "padded as ``gather`` with ``pad_value``.");
 
   m.def("parallel_apply", &parallel_apply, py::arg("fns"), py::arg("devices"),
         py::arg("serial") = false,

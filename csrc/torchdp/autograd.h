@@ -51,7 +51,10 @@ std::vector<at::Tensor> scatter(
     const std::optional<std::vector<int64_t>>& chunk_sizes = std::nullopt, int64_t dim = 0);
 
 /// Differentiable comm::gather. 0-dim inputs with dim 0 are gathered into a vector, with a
-/// warning, as torch.nn.parallel's Gather does.
-at::Tensor gather(at::TensorList inputs, c10::Device destination, int64_t dim = 0);
+/// warning, as torch.nn.parallel's Gather does. With `pad_value`, inputs that differ in other
+/// dimensions are padded at their end to the largest size (comm::gather); padded positions get no
+/// gradient.
+at::Tensor gather(at::TensorList inputs, c10::Device destination, int64_t dim = 0,
+                  const std::optional<at::Scalar>& pad_value = std::nullopt);
 
 } // namespace torchdp::autograd

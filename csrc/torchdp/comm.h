@@ -1,6 +1,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Scalar.h>
 #include <c10/core/Device.h>
 
 #include <cstddef>
@@ -33,7 +34,11 @@ std::vector<at::Tensor> scatter(
     const at::Tensor& tensor, const std::vector<c10::Device>& devices,
     const std::optional<std::vector<int64_t>>& chunk_sizes = std::nullopt, int64_t dim = 0);
 
-/// Concatenates `tensors` along `dim` on `destination`. All dimensions but `dim` must agree.
-at::Tensor gather(at::TensorList tensors, c10::Device destination, int64_t dim = 0);
+/// Concatenates `tensors` along `dim` on `destination`. All dimensions but `dim` must agree, unless
+/// `pad_value` is given: then tensors that differ in another dimension (generated sequences of
+/// different lengths) are padded at its end with `pad_value` to the largest size. The number of
+/// dimensions must agree either way, and `pad_value` must fit the tensors' dtype.
+at::Tensor gather(at::TensorList tensors, c10::Device destination, int64_t dim = 0,
+                  const std::optional<at::Scalar>& pad_value = std::nullopt);
 
 } // namespace torchdp::comm

@@ -6,6 +6,7 @@
 #include <c10/util/irange.h>
 
 #include <algorithm>
+#include <numeric>
 
 namespace torchdp {
 namespace {
@@ -59,7 +60,19 @@ void DataParallelImpl::init(std::shared_ptr<torch::nn::Module> module, Wrap wrap
                                          options.bucket_cap_mb(), options.cuda_graphs(), kApi);
   device_ids_ = std::move(devices.device_ids);
   output_device_ = devices.output_device;
+  check_shares();
   constructed_ = options;
+}
+
+void DataParallelImpl::check_shares() const {
+  if (!options.shares() || device_ids_.empty()) {
+    return;
+  }
+  detail::check_shares(*options.shares(), device_ids_.size(), kApi);
+  TORCH_CHECK_VALUE(!options.cuda_graphs(), kApi,
+                    ": options.shares and options.cuda_graphs cannot be combined (a graph is "
+                    "captured for one split of the batch); turn cuda_graphs off or leave shares "
+                    "unset");
 }
 
 void DataParallelImpl::check_fixed_options() const {
@@ -209,7 +222,8 @@ std::vector<c10::IValue> DataParallelImpl::run_here(std::vector<at::Tensor> inpu
     }
     split = {device_ids_, {std::move(inputs)}};
   } else {
-    split = step_.split(inputs, device_ids_, options.dim(), names);
+    check_shares();
+    split = step_.split(inputs, device_ids_, options.dim(), names, options.shares());
   }
   if (graph_call != nullptr) {
     auto outputs = run_graphed(split.parts, *graph_call);
@@ -329,7 +343,30 @@ at::Tensor parallel_loss(
     TORCH_CHECK(outputs[i].defined(), api, ": output ", i, " is an undefined tensor");
     devices.push_back(detail::canonical(outputs[i].device()));
   }
-  auto chunks = autograd::scatter(target, devices, std::nullopt, dim);
+  // Outputs of uneven shares (Note [Uneven shares]): the target split by their rows.
+  std::optional<std::vector<int64_t>> rows;
+  if (dim >= -target.dim() && dim < target.dim()) {
+    std::vector<int64_t> sizes;
+    for (const auto& out : outputs) {
+      if (dim < -out.dim() || dim >= out.dim()) {
+        break;
+      }
+      sizes.push_back(out.size(dim));
+    }
+    if (sizes.size() == outputs.size() &&
+        std::accumulate(sizes.begin(), sizes.end(), int64_t{0}) == target.size(dim)) {
+      const auto even =
+          at::empty({target.size(dim)}, at::kMeta).chunk(static_cast<int64_t>(outputs.size()));
+      bool same = even.size() == sizes.size();
+      for (size_t i = 0; same && i < even.size(); ++i) {
+        same = even[i].size(0) == sizes[i];
+      }
+      if (!same) {
+        rows = std::move(sizes);
+      }
+    }
+  }
+  auto chunks = autograd::scatter(target, devices, rows, dim);
   TORCH_CHECK(chunks.size() == outputs.size(), api, ": the target splits into ", chunks.size(),
               " chunks along dim ", dim, " (size ", target.size(dim), ") but there are ",
               outputs.size(), " outputs; pass a target with the same batch size as the inputs");

@@ -8,6 +8,7 @@
 #include <torchdp/process_group.h>
 #include <torchdp/reduction.h>
 #include <torchdp/replicate.h>
+#include <torchdp/shares.h>
 #include <torchdp/step.h>
 #include <torchdp/structure.h>
 
@@ -48,6 +49,11 @@ struct DataParallelOptions {
   /// signature (up to 8; others run eagerly): for CPU-bound models with a capturable forward.
   /// CUDA devices only. Note [Graphed replicas] in torchdp/graphed_replicas.h.
   TORCH_ARG(bool, cuda_graphs) = false;
+  /// Each device's share of the batch, weights ({1, 2, 2, 2}) or row counts, one per device of
+  /// device_ids: the rows are divided as torchdp::share_rows() divides them and devices that get
+  /// none do not run (Note [Uneven shares]); outputs and gradients stay those of one device. Not
+  /// with cuda_graphs. Default: equal shares (torch.chunk's split).
+  TORCH_ARG(std::optional<std::vector<double>>, shares) = std::nullopt;
 #if TORCHDP_WITH_C10D
   /// Average the gradients over the processes of this c10d group after each backward pass, as
   /// DistributedDataParallel does; the first forward takes rank 0's parameters and buffers.
@@ -406,6 +412,7 @@ class DataParallelImpl : public torch::nn::Module {
   void init(std::shared_ptr<torch::nn::Module> module, Wrap wrap);
   // Fails when an option read at construction was changed since (see DataParallelOptions).
   void check_fixed_options() const;
+  void check_shares() const; // options.shares against the devices, at construction and forwards
   // Checks (or with place_module makes) the module's placement; returns its buffers.
   std::vector<at::Tensor> ensure_placement();
 
@@ -448,21 +455,31 @@ at::Tensor parallel_loss(
 
 /// Drop-in for torch::nn::parallel::data_parallel, with the same signature and results; replicas
 /// are refreshed instead of deep-cloned on every call. With one device the module runs there.
+///
+/// `shares` (not in LibTorch's signature) gives each device its share of the batch, as
+/// DataParallelOptions::shares.
 template <typename ModuleType>
 at::Tensor data_parallel(ModuleType module, at::Tensor input,
                          std::optional<std::vector<c10::Device>> devices = std::nullopt,
-                         std::optional<c10::Device> output_device = std::nullopt, int64_t dim = 0) {
+                         std::optional<c10::Device> output_device = std::nullopt, int64_t dim = 0,
+                         const std::optional<std::vector<double>>& shares = std::nullopt) {
   constexpr const char* api = "torchdp::data_parallel";
   auto used = devices ? normalize_devices(*devices, api) : default_devices(api);
+  if (shares) {
+    detail::check_shares(*shares, used.size(), api);
+  }
   const auto out_device = output_device ? normalize_device(*output_device, api) : used.front();
   if (used.size() == 1) {
     module->to(used.front());
     return module->forward(input.to(used.front())).to(out_device);
   }
   detail::Step step(api); // Note [The step engine]
-  const auto split = step.split({input}, used, dim, [](size_t) {
-    return std::string("the input");
-  });
+  const auto split = step.split(
+      {input}, used, dim,
+      [](size_t) {
+        return std::string("the input");
+      },
+      shares);
   decltype(replicate(module, split.used)) replicas;
   std::vector<at::Tensor> outputs(split.used.size());
   std::shared_ptr<BufferSnapshot> buffers;

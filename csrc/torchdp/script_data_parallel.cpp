@@ -2,6 +2,7 @@
 // engine (Note [Nested scatter and gather]) and the ScriptReplicator.
 #include <torchdp/devices.h>
 #include <torchdp/script_module.h>
+#include <torchdp/shares.h>
 #include <torchdp/structure.h>
 
 #include <c10/core/GradMode.h>
@@ -52,6 +53,9 @@ ScriptDataParallel::ScriptDataParallel(torch::jit::Module module, DataParallelOp
                                          options_.bucket_cap_mb(), /*cuda_graphs=*/false, kApi);
   device_ids_ = std::move(devices.device_ids);
   output_device_ = devices.output_device;
+  if (options_.shares() && !device_ids_.empty()) {
+    detail::check_shares(*options_.shares(), device_ids_.size(), kApi);
+  }
 }
 
 std::vector<at::Tensor> ScriptDataParallel::parameters() const {
@@ -123,10 +127,13 @@ std::vector<c10::IValue> ScriptDataParallel::run(std::vector<c10::IValue> inputs
   const size_t positional = tensors.size();
   const auto keyword_tensors = detail::tensors_of(keywords);
   tensors.insert(tensors.end(), keyword_tensors.begin(), keyword_tensors.end());
-  const auto split = step_.split(tensors, device_ids_, options_.dim(), [&](size_t k) {
-    return k < positional ? detail::tensor_name(args_value, kArgumentNames, k)
-                          : detail::tensor_name(keywords, kKeywordNames, k - positional);
-  });
+  const auto split = step_.split(
+      tensors, device_ids_, options_.dim(),
+      [&](size_t k) {
+        return k < positional ? detail::tensor_name(args_value, kArgumentNames, k)
+                              : detail::tensor_name(keywords, kKeywordNames, k - positional);
+      },
+      options_.shares());
   // Note [Buffers of failed forwards]: every tensor attribute that is not a parameter.
   std::vector<at::Tensor> originals;
   for (const auto& b : module_.buffers()) {

@@ -4,6 +4,7 @@
 #include <torchdp/enclosing_forward.h>
 #include <torchdp/graphed_replicas.h>
 #include <torchdp/parallel_apply.h>
+#include <torchdp/shares.h>
 #include <torchdp/step.h>
 #include <torchdp/structure.h>
 
@@ -113,8 +114,18 @@ void Step::check_defined(const std::vector<at::Tensor>& inputs, const Names& nam
 }
 
 Split Step::split(const std::vector<at::Tensor>& inputs, const std::vector<c10::Device>& devices,
-                  int64_t dim, const Names& names) const {
+                  int64_t dim, const Names& names,
+                  const std::optional<std::vector<double>>& shares) const {
   check_forward_context(api_);
+  if (shares) {
+    auto shared = scatter_shares(inputs, devices, *shares, dim, api_, names, dim_note_);
+    Split out;
+    for (const auto i : shared.index) {
+      out.used.push_back(devices[i]);
+    }
+    out.parts = std::move(shared.parts);
+    return out;
+  }
   const auto chunks = scatter_tensors(inputs, devices, dim, api_, names, dim_note_);
   size_t n = devices.size();
   for (const auto& c : chunks) {

@@ -66,9 +66,11 @@ class Step {
   void check_defined(const std::vector<at::Tensor>& inputs, const Names& names) const;
 
   /// The forward-context check, every input split along `dim` over `devices` (two or more), and
-  /// the chunk check when the batch gives fewer chunks than devices.
+  /// the chunk check when the batch gives fewer chunks than devices; with `shares`, split by the
+  /// rows they give each device, and only devices with rows run (Note [Uneven shares]).
   Split split(const std::vector<at::Tensor>& inputs, const std::vector<c10::Device>& devices,
-              int64_t dim, const Names& names) const;
+              int64_t dim, const Names& names,
+              const std::optional<std::vector<double>>& shares = std::nullopt) const;
 
   /// `replicate()`, then `run_replica(i)` for each device of `used` in parallel, with gradient
   /// buckets of `bucket_cap_mb`, as the enclosing forward (Note [Nested forwards]) of a copy of

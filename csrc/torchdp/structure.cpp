@@ -216,7 +216,8 @@ std::vector<c10::IValue> scatter_value(const c10::IValue& input,
 }
 
 c10::IValue gather_value(const std::vector<c10::IValue>& outputs, c10::Device destination,
-                         int64_t dim, const char* api, const ValueNames& names) {
+                         int64_t dim, const char* api, const ValueNames& names,
+                         const std::optional<at::Scalar>& pad_value) {
   TORCH_CHECK(!outputs.empty(), api, ": got no outputs to gather; pass one per replica");
   const auto to = normalize_device(destination, api);
   Zipper z{api, names, {}, {}};
@@ -225,7 +226,7 @@ c10::IValue gather_value(const std::vector<c10::IValue>& outputs, c10::Device de
   joined.reserve(z.columns.size());
   for (const auto k : c10::irange(z.columns.size())) {
     try {
-      joined.push_back(autograd::gather(z.columns[k], to, dim));
+      joined.push_back(autograd::gather(z.columns[k], to, dim, pad_value));
     } catch (...) {
       rethrow_with_prefix(
           c10::str(api, ": cannot gather ", tensor_name(outputs[0], names, k), ": "));
@@ -361,9 +362,10 @@ std::vector<c10::IValue> scatter(const c10::IValue& input, const std::vector<c10
   return detail::scatter_value(input, devices, dim, "torchdp::scatter", detail::ValueNames{});
 }
 
-c10::IValue gather(const std::vector<c10::IValue>& outputs, c10::Device destination, int64_t dim) {
+c10::IValue gather(const std::vector<c10::IValue>& outputs, c10::Device destination, int64_t dim,
+                   const std::optional<at::Scalar>& pad_value) {
   return detail::gather_value(outputs, destination, dim, "torchdp::gather",
-                              detail::ValueNames{"the output", false});
+                              detail::ValueNames{"the output", false}, pad_value);
 }
 
 } // namespace torchdp

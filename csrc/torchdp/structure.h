@@ -47,9 +47,13 @@ std::vector<c10::IValue> scatter(const c10::IValue& input, const std::vector<c10
 /// Joins per-replica values of one shape into one on `destination`: tensors concatenated along
 /// `dim` (0-dim ones stacked into a vector, with a warning, as Python's Gather), containers joined
 /// member by member, None kept, other values kept when every replica returned the same one.
-/// Mismatched shapes raise a c10::ValueError naming the member. Differentiable.
+/// Mismatched shapes raise a c10::ValueError naming the member. Differentiable. With `pad_value`,
+/// tensors that differ in a dimension other than `dim` (generated sequences of different lengths)
+/// are padded at its end to the largest size first (autograd::gather).
+///
+///   auto tokens = torchdp::gather(outputs, devices[0], 0, /*pad_value=*/pad_token_id);
 c10::IValue gather(const std::vector<c10::IValue>& outputs, c10::Device destination,
-                   int64_t dim = 0);
+                   int64_t dim = 0, const std::optional<at::Scalar>& pad_value = std::nullopt);
 
 namespace detail {
 
@@ -141,7 +145,8 @@ std::vector<c10::IValue> scatter_value(const c10::IValue& input,
 
 /// gather() naming `api` and the values as `names` say in its errors.
 c10::IValue gather_value(const std::vector<c10::IValue>& outputs, c10::Device destination,
-                         int64_t dim, const char* api, const ValueNames& names);
+                         int64_t dim, const char* api, const ValueNames& names,
+                         const std::optional<at::Scalar>& pad_value = std::nullopt);
 
 /// `value` with every tensor inside moved to `device` (differentiable; containers rebuilt only
 /// when a tensor moved). Undefined tensors raise naming `api`.
@@ -192,7 +197,8 @@ std::vector<T> scatter(const T& input, const std::vector<c10::Device>& devices, 
 
 /// Typed form of gather(): the replicas' outputs of one C++ type joined into one.
 template <typename T, typename = std::enable_if_t<!std::is_same_v<T, c10::IValue>>>
-T gather(const std::vector<T>& outputs, c10::Device destination, int64_t dim = 0) {
+T gather(const std::vector<T>& outputs, c10::Device destination, int64_t dim = 0,
+         const std::optional<at::Scalar>& pad_value = std::nullopt) {
   static_assert(detail::IsStructure<T>::value,
                 "torchdp::gather: the outputs must be at::Tensor, or std::vector, std::tuple, "
                 "c10::List, c10::Dict or std::optional of tensors (numbers and strings may sit "
@@ -202,7 +208,7 @@ T gather(const std::vector<T>& outputs, c10::Device destination, int64_t dim = 0
   for (const auto& o : outputs) {
     values.emplace_back(o);
   }
-  return gather(values, destination, dim).to<T>();
+  return gather(values, destination, dim, pad_value).to<T>();
 }
 
 } // namespace torchdp

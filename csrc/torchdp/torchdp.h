@@ -10,4 +10,5 @@
 #include <torchdp/parallel_apply.h>
 #include <torchdp/replicate.h>
 #include <torchdp/script_module.h>
+#include <torchdp/shares.h>
 #include <torchdp/structure.h>

@@ -44,11 +44,13 @@ def scatter(
 ) -> list[Tensor]: ...
 
 # All-0-dim inputs along dim 0: a vector and PyTorch's UserWarning (differentiable=False raises).
+# pad_value: tensors that differ in other dims are padded at their end to the largest size.
 def gather(
     tensors: Sequence[Tensor],
     destination: torch.device,
     dim: int = 0,
     differentiable: bool = True,
+    pad_value: complex | None = None,
 ) -> Tensor: ...
 
 # scatter() of every tensor: one list of chunks per replica, as many as the fewest chunks.
@@ -56,9 +58,24 @@ def scatter_leaves(
     tensors: Sequence[Tensor], devices: Sequence[torch.device], dim: int = 0
 ) -> list[list[Tensor]]: ...
 
-# gather() of each group (one tensor per replica), differentiably.
+# Note [Uneven shares]: the rows of a batch each device gets; ValueError naming api.
+def share_rows(shares: Sequence[float], rows: int, devices: int, api: str) -> list[int]: ...
+
+# scatter_leaves by shares: (index, per_replica), replica i on devices[index[i]].
+def scatter_shares(
+    tensors: Sequence[Tensor],
+    devices: Sequence[torch.device],
+    shares: Sequence[float],
+    dim: int,
+    api: str,
+) -> tuple[list[int], list[list[Tensor]]]: ...
+
+# gather() of each group (one tensor per replica), differentiably, padded as gather().
 def gather_leaves(
-    groups: Sequence[Sequence[Tensor]], destination: torch.device, dim: int = 0
+    groups: Sequence[Sequence[Tensor]],
+    destination: torch.device,
+    dim: int = 0,
+    pad_value: complex | None = None,
 ) -> list[Tensor]: ...
 
 # fns[i]() on worker i (fns[0], or all with serial=True, on the caller) with devices[i] and the

@@ -45,7 +45,7 @@ from torchdp.hooks import (
 from torchdp.parallel_apply import parallel_apply
 from torchdp.patch import TorchPatch, patch_torch
 from torchdp.replicate import replicate
-from torchdp.scatter_gather import gather, scatter, scatter_kwargs
+from torchdp.scatter_gather import gather, scatter, scatter_kwargs, share_rows
 
 #: The torchdp release, such as ``"0.1.0"`` (the version the extension was built as).
 __version__: str = _C.__version__
@@ -84,4 +84,5 @@ __all__ = [
     "replicate",
     "scatter",
     "scatter_kwargs",
+    "share_rows",
 ]

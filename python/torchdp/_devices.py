@@ -82,6 +82,29 @@ def _check_dim(dim: Any, api: str) -> int:
     )
 
 
+def _check_shares(shares: Any, devices: int, api: str) -> list[float] | None:
+    """``shares`` as a list of floats, checked against ``devices`` devices (Note [Uneven shares]
+    in csrc/torchdp/shares.h); ``None`` stays ``None``. TypeError for what is not a sequence of
+    real numbers, ValueError (from the C++ check) for shares that do not fit."""
+    if shares is None:
+        return None
+    if isinstance(shares, torch.Tensor):
+        shares = shares.tolist()
+    values: list[float] = []
+    if isinstance(shares, Sequence) and not isinstance(shares, (str, bytes)):
+        for s in shares:
+            if isinstance(s, bool) or not isinstance(s, (int, float)):
+                break
+            values.append(float(s))
+        else:
+            _C.share_rows(values, 0, devices, api)
+            return values
+    raise TypeError(
+        f"{api}: shares must be a sequence of numbers, one per device (weights such as "
+        f"[1, 2, 2, 2] or row counts), got {shares!r}"
+    )
+
+
 def _device_label(device: torch.device) -> int | str:
     """How ``torch.nn.parallel`` prints a device in messages: the index for CUDA devices."""
     if device.type == "cuda" and device.index is not None:

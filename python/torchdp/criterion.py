@@ -134,6 +134,7 @@ class DataParallelCriterion(nn.Module):
         if len(outputs) == 0:
             raise ValueError(f"{_API}: got no outputs (an empty list)")
         devices: list[torch.device] = []
+        rows: list[int] = []
         for i, out in enumerate(outputs):
             t = get_a_var(out)
             if t is None:
@@ -142,7 +143,10 @@ class DataParallelCriterion(nn.Module):
                     "replica's output must contain a tensor on its device"
                 )
             devices.append(t.device)
+            rows.append(t.shape[self.dim] if -t.dim() <= self.dim < t.dim() else -1)
         n = len(outputs)
+        # Outputs of uneven shares (Note [Uneven shares]): the targets split by their rows.
+        by_rows = min(rows) >= 0 and [c.shape[0] for c in torch.empty(sum(rows)).chunk(n)] != rows
         if targets or kwargs:
             named = [(f"target {i}", t) for i, t in enumerate(targets)]
             named += [(f"keyword target {k!r}", t) for k, t in kwargs.items()]
@@ -153,7 +157,9 @@ class DataParallelCriterion(nn.Module):
                         "replicas; pass a Python number (given to every replica as it is) or a "
                         f"tensor with one entry per sample along dim {self.dim}"
                     )
-            split_targets, split_kwargs = scatter_kwargs(targets, kwargs, devices, self.dim)
+            split_targets, split_kwargs = scatter_kwargs(
+                targets, kwargs, devices, self.dim, shares=rows if by_rows else None
+            )
             if len(split_targets) != n:
                 sizes = ", ".join(
                     f"{name}: {t.shape[self.dim]}"

@@ -20,19 +20,20 @@ from torch._utils import (
     _get_device_index,
 )
 
-from torchdp import _C, _tree
+from torchdp import _C, _methods, _tree
 from torchdp._attributes import check_stale_attribute_policy
 from torchdp._devices import (
     DeviceLike,
     _check_balance,
     _check_device_ids,
     _check_dim,
+    _check_shares,
     _device_error,
     _resolve_explicit,
 )
 from torchdp._graphs import MAX_SIGNATURES, GraphedReplicas
 from torchdp._process_group import ProcessGroupSync, check_process_group
-from torchdp.parallel_apply import parallel_apply, record_function
+from torchdp.parallel_apply import get_a_var, parallel_apply, record_function
 from torchdp.replicate import (
     _bucket_bytes,
     _buffer_snapshot,
@@ -171,6 +172,24 @@ def _indices(
     if device_type == "cuda":
         _check_device_ids(ids, output, api)
     return ids, output
+
+
+def _running_ids(
+    device_ids: Sequence[Any], shares: Any, inputs: Sequence[Any], kwargs: Sequence[Any]
+) -> list[Any]:
+    """The devices of the replicas that run: the first ``len(inputs)``; with shares, those whose
+    chunk got rows, wherever they are in the list (Note [Uneven shares]): each chunk's tensors
+    are on its device."""
+    n = len(inputs)
+    if shares is None or n >= len(device_ids):
+        return list(device_ids[:n])
+    ids: list[Any] = []
+    for i, chunk in enumerate(inputs):
+        found = get_a_var((chunk, kwargs[i] if i < len(kwargs) else None))
+        if found is None:
+            return list(device_ids[:n])
+        ids.append(found.device)
+    return ids
 
 
 def _check_cuda_graphs(cuda_graphs: Any) -> int:
@@ -316,6 +335,13 @@ class DataParallel(_TorchDataParallel[T]):
         broadcast_buffers (bool, keyword-only): with a :attr:`process_group`, every forward with
             grad mode on first copies group rank 0's buffers to the other processes, as in
             ``DistributedDataParallel``. Default: ``True``.
+        shares (sequence of float, keyword-only): each device's share of the batch, weights
+            (``[1, 2, 2, 2]``) or row counts, one per device in :attr:`device_ids`, for devices of
+            different sizes or a smaller share on the device that also holds the gathered output
+            and the loss. The rows are divided as :func:`torchdp.scatter` divides them; devices
+            that get no rows do not run. The gathered output, a loss of it and the gradients are
+            those of the whole batch on one device. Not with ``cuda_graphs``. Default: ``None``
+            (equal shares, ``torch.chunk``'s split).
 
     Attributes:
         module (Module): the module to be parallelized.
@@ -336,6 +362,7 @@ class DataParallel(_TorchDataParallel[T]):
     cuda_graphs: int = 0
     cache_replicas: bool = True
     broadcast_buffers: bool = True
+    shares: list[float] | None = None
     require_backward_grad_sync: bool = True
     _place_module: bool = False
     _placed: bool = False
@@ -357,6 +384,7 @@ class DataParallel(_TorchDataParallel[T]):
         cache_replicas: bool = True,
         process_group: Any = None,
         broadcast_buffers: bool = True,
+        shares: Sequence[float] | None = None,
     ) -> None:
         """Wraps :attr:`module`; the arguments are described in the class docstring."""
         # Not torch.nn.DataParallel.__init__: the base class is there for isinstance checks.
@@ -371,6 +399,11 @@ class DataParallel(_TorchDataParallel[T]):
         self.bucket_cap_mb = bucket_cap_mb
         self.stale_attributes = check_stale_attribute_policy(stale_attributes, _API)
         self.cuda_graphs = _check_cuda_graphs(cuda_graphs)
+        if shares is not None and self.cuda_graphs:
+            raise ValueError(
+                f"{_API}: shares and cuda_graphs cannot be combined (a graph is captured for "
+                "one split of the batch); turn cuda_graphs off or leave shares unset"
+            )
         self.cache_replicas = bool(cache_replicas)
         self.broadcast_buffers = bool(broadcast_buffers)
         self.require_backward_grad_sync = True
@@ -394,6 +427,8 @@ class DataParallel(_TorchDataParallel[T]):
                     _warn_ignored_device_ids(device_ids)
                 self.module = module
                 self.device_ids = []
+                given = len(shares) if isinstance(shares, Sequence) else 0
+                self.shares = _check_shares(shares, given, _API)  # used with an accelerator
                 return
             _check_module(module, _API)
             self.device_ids, self.output_device = _indices(
@@ -402,6 +437,7 @@ class DataParallel(_TorchDataParallel[T]):
             self.src_device_obj = torch.device(device_type, self.device_ids[0])
             if device_type == "cuda":
                 _check_balance(self.device_ids)
+        self.shares = _check_shares(shares, len(self.device_ids), _API)
         self.dim = dim
         self.module = module
         if len(self.device_ids) == 1:
@@ -470,31 +506,115 @@ class DataParallel(_TorchDataParallel[T]):
         An exception in a replica's forward is raised again with its type, the message
         naming the replica and its device.
         """
-        with record_function("DataParallel.forward"):
+        return self._call_module(None, None, inputs, kwargs)
+
+    def _call_module(
+        self, method: str | None, pad_value: Any, inputs: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """The forward, or with ``method`` that method of the module (:meth:`parallel_method`);
+        ``pad_value`` goes to :meth:`gather`."""
+        with record_function(f"DataParallel.{method or 'forward'}"):
             watch = self._before_forward()
             if not self.device_ids:
-                return watch(self._one_output(self.module(*inputs, **kwargs)))
+                return watch(
+                    self._one_output(_methods.bound(self.module, method)(*inputs, **kwargs))
+                )
             n = len(self.device_ids)
             if n > 1:
                 _C.check_forward_context(_API)
             chunks, chunk_kwargs = _nonempty(*self.scatter(inputs, kwargs, self.device_ids))
-            outputs = self._graphed_outputs(chunks, chunk_kwargs) if self.cuda_graphs else None
+            graphed = self.cuda_graphs and method is None  # methods run eagerly
+            outputs = self._graphed_outputs(chunks, chunk_kwargs) if graphed else None
             if outputs is not None:
-                return watch(self._one_output(outputs[0]) if n == 1 else self._gathered(outputs))
+                return watch(
+                    self._one_output(outputs[0]) if n == 1 else self._gathered(outputs, pad_value)
+                )
             if n == 1:
-                return watch(self._one_output(self.module(*chunks[0], **chunk_kwargs[0])))
+                call = _methods.bound(self.module, method)
+                return watch(self._one_output(call(*chunks[0], **chunk_kwargs[0])))
             chunks, chunk_kwargs = _check_chunks(
-                inputs, kwargs, chunks, chunk_kwargs, n, self.dim, _API
+                inputs,
+                kwargs,
+                chunks,
+                chunk_kwargs,
+                n if self.shares is None else 0,
+                self.dim,
+                _API,
             )
+            ids = _running_ids(self.device_ids, self.shares, chunks, chunk_kwargs)
             return watch(
                 _run_replicated(
                     self.module,
-                    lambda: self.replicate(self.module, self.device_ids[: len(chunks)]),
-                    lambda replicas: self.parallel_apply(replicas, chunks, chunk_kwargs),
-                    self._gathered,
+                    lambda: self.replicate(self.module, ids),
+                    lambda replicas: self.parallel_apply(
+                        _methods.bound_replicas(replicas, method), chunks, chunk_kwargs
+                    ),
+                    lambda outputs: self._gathered(outputs, pad_value),
                     lambda: _weak_entry(_REPLICA_CACHES, self, None),
                 )
             )
+
+    def parallel_method(self, name: str, *, pad_value: Any = None) -> Callable[..., Any]:
+        r"""The wrapped module's method ``name``, run split over the devices as :meth:`forward`
+        runs the module: ``dp.parallel_method("generate")(input_ids, max_new_tokens=8)``.
+
+        Calling the result scatters its arguments as :meth:`forward` does, replicates the module,
+        calls ``replica.<name>(...)`` on each replica's share through :meth:`parallel_apply` and
+        gathers the outputs, through the same overridable :meth:`scatter`, :meth:`replicate`,
+        :meth:`parallel_apply` and :meth:`gather`, post-replicate hooks, device check and
+        rollback of the buffers of a failed call. With one device, or no accelerator and no
+        ``devices=``, the method is called on :attr:`module` directly. ``parallel_method("forward")``
+        is the forward (without the hooks of the wrapper itself).
+
+        The options are given here, not with the method's arguments, so they never clash with
+        the method's own keyword arguments.
+
+        :meth:`parallel_apply` gets, instead of the replicas, callables that run the method on
+        them (each with its replica as ``.module``). While a replica runs the method, its
+        ``parameters()`` lists its parameter copies (a replica's forward lists none, as in
+        PyTorch), for methods that read the device or dtype from them, as transformers'
+        ``generate`` does. CUDA graphs apply to the forward only; other methods run eagerly.
+
+        Args:
+            name (str): the name of a method (or other callable attribute) of :attr:`module`.
+            pad_value (number, keyword-only): outputs whose tensors differ in size along a
+                dimension other than :attr:`dim` (sequences generated to different lengths) are
+                padded at the end of that dimension with this value to the largest size before
+                they are concatenated; without it such outputs raise. For token ids, the
+                tokenizer's ``pad_token_id``. Default: ``None``.
+
+        Returns:
+            A callable taking the method's arguments and returning its gathered output.
+
+        Raises:
+            AttributeError: :attr:`module` has no attribute ``name``.
+            TypeError: ``name`` is not a str, the attribute is not callable, or ``pad_value`` is
+                not a number.
+
+        Example::
+
+            >>> class Scaler(torch.nn.Module):
+            ...     def __init__(self):
+            ...         super().__init__()
+            ...         self.weight = torch.nn.Parameter(torch.ones(3))
+            ...
+            ...     def scaled(self, x, factor, *, shift=0.0):
+            ...         return x * self.weight * factor + shift
+            >>> dp = torchdp.DataParallel(Scaler(), devices=[torch.device("cpu")] * 2)
+            >>> dp.parallel_method("scaled")(torch.ones(4, 3), 2.0, shift=1.0).shape
+            torch.Size([4, 3])
+            >>> # generate() of a transformers model, sequences padded to the longest:
+            >>> tokens = dp_lm.parallel_method("generate", pad_value=tok.pad_token_id)(
+            ...     input_ids, attention_mask=mask, max_new_tokens=20, do_sample=False
+            ... )
+        """
+        return _methods.ParallelMethod(self, name, pad_value)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError as error:
+            raise _methods.missing_attribute(self, name, error) from None
 
     def _before_forward(self) -> Callable[[Any], Any]:
         """A forward's checks and the process group's work before the module runs; returns what
@@ -522,11 +642,14 @@ class DataParallel(_TorchDataParallel[T]):
         """The output of a forward that ran once, where the module put it."""
         return output if self.gather_output else [output]
 
-    def _gathered(self, outputs: Sequence[Any]) -> Any:
+    def _gathered(self, outputs: Sequence[Any], pad_value: Any = None) -> Any:
         """The outputs gathered on :attr:`output_device` (as they are, with gather_output=False)."""
         if not self.gather_output:
             return list(outputs)
-        return self.gather(outputs, self.output_device)
+        if pad_value is None:
+            return self.gather(outputs, self.output_device)
+        with _methods.padding(pad_value):
+            return self.gather(outputs, self.output_device)
 
     def _graphed_outputs(self, inputs: Any, kwargs: Any) -> list[Any] | None:
         graphed = _GRAPHED.get(self)
@@ -569,8 +692,11 @@ class DataParallel(_TorchDataParallel[T]):
         kwargs: dict[str, Any] | None,
         device_ids: Sequence[int | torch.device],
     ) -> Any:
-        """Splits positional and keyword arguments across :attr:`device_ids` along ``dim``."""
-        return scatter_kwargs(inputs, kwargs, device_ids, dim=self.dim)
+        """Splits positional and keyword arguments across :attr:`device_ids` along ``dim``, by
+        :attr:`shares` when set."""
+        if self.shares is None:
+            return scatter_kwargs(inputs, kwargs, device_ids, dim=self.dim)
+        return scatter_kwargs(inputs, kwargs, device_ids, dim=self.dim, shares=self.shares)
 
     def parallel_apply(
         self, replicas: Sequence[T], inputs: Sequence[Any], kwargs: Any
@@ -580,13 +706,14 @@ class DataParallel(_TorchDataParallel[T]):
             replicas,
             inputs,
             kwargs,
-            self.device_ids[: len(replicas)],
+            _running_ids(self.device_ids, self.shares, inputs, kwargs or ())[: len(replicas)],
             serial=self.serial_forward or _first_compiled_call(self.module, inputs, kwargs),
         )
 
     def gather(self, outputs: Any, output_device: int | torch.device) -> Any:
-        """Concatenates the replicas' outputs on :attr:`output_device` along ``dim``."""
-        return gather(outputs, output_device, dim=self.dim)
+        """Concatenates the replicas' outputs on :attr:`output_device` along ``dim`` (padded with
+        the ``pad_value`` of a :meth:`parallel_method` call)."""
+        return gather(outputs, output_device, dim=self.dim, pad_value=_methods.PAD_VALUE.get())
 
 
 # Input signatures of a compiled module whose first call runs the replicas in order (dynamo's
@@ -644,6 +771,7 @@ def data_parallel(
     devices: Sequence[DeviceLike] | None = None,
     stale_attributes: str | None = None,
     cache_replicas: bool = True,
+    shares: Sequence[float] | None = None,
 ) -> Any:
     r"""Evaluates ``module(*inputs, **module_kwargs)`` in parallel across devices: the functional
     form of :class:`DataParallel`, a drop-in for :func:`torch.nn.parallel.data_parallel`.
@@ -666,6 +794,8 @@ def data_parallel(
             Default: ``None``.
         cache_replicas (bool, keyword-only): keep the replica modules of :attr:`module` between
             calls, as :class:`DataParallel` does. Default: ``True``.
+        shares (sequence of float, keyword-only): each device's share of the batch, as in
+            :class:`DataParallel`. Default: ``None`` (equal shares).
 
     Returns:
         The gathered output of the module, on :attr:`output_device`.
@@ -696,15 +826,24 @@ def data_parallel(
     if found is not None:
         raise _device_error(src_device, found, wrapper=False)
 
+    checked = _check_shares(shares, len(used_ids), api)
     if len(used_ids) > 1:
         _C.check_forward_context(api)
-    chunks, chunk_kwargs = _nonempty(*scatter_kwargs(inputs, module_kwargs, used_ids, dim))
+    chunks, chunk_kwargs = _nonempty(
+        *scatter_kwargs(inputs, module_kwargs, used_ids, dim, shares=checked)
+    )
     if len(used_ids) == 1:
         return module(*chunks[0], **chunk_kwargs[0])
     chunks, chunk_kwargs = _check_chunks(
-        inputs, module_kwargs, chunks, chunk_kwargs, len(used_ids), dim, api
+        inputs,
+        module_kwargs,
+        chunks,
+        chunk_kwargs,
+        len(used_ids) if checked is None else 0,
+        dim,
+        api,
     )
-    used = used_ids[: len(chunks)]
+    used = _running_ids(used_ids, checked, chunks, chunk_kwargs)
     cache = _weak_entry(_FUNCTIONAL_CACHES, module, _C.ReplicaCache) if cache_replicas else None
 
     def replicate_fn() -> list[nn.Module]:

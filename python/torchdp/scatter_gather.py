@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import cmath
 import copy
+import numbers
+import operator
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, overload
@@ -12,17 +14,26 @@ import torch
 from torch.utils import _pytree
 
 from torchdp import _C, _tree
-from torchdp._devices import DeviceLike, _check_dim, _to_device, _to_devices
+from torchdp._devices import DeviceLike, _check_dim, _check_shares, _to_device, _to_devices
 
-__all__ = ["gather", "scatter", "scatter_kwargs"]
+__all__ = ["gather", "scatter", "scatter_kwargs", "share_rows"]
 
 _SCATTER = "torchdp.scatter"
 
 
-def _scatter_map(obj: Any, devices: list[torch.device], dim: int) -> Any:
+def _scatter_map(
+    obj: Any,
+    devices: list[torch.device],
+    dim: int,
+    shares: list[float] | None = None,
+    api: str = _SCATTER,
+) -> Any:
     """Scatter by the tree's rule (Note [The Python tree]): every tensor leaf split in one call
-    into C++, one structure rebuilt per chunk around its chunks and the other leaves."""
+    into C++, one structure rebuilt per chunk around its chunks and the other leaves; with
+    ``shares``, split by the rows they give each device (Note [Uneven shares])."""
     if isinstance(obj, torch.Tensor):
+        if shares is not None:
+            return tuple(c[0] for c in _C.scatter_shares([obj], devices, shares, dim, api)[1])
         return tuple(_C.scatter(obj, devices, None, dim, True))
     leaves, spec = _tree.flatten(obj)
     if spec is None:
@@ -31,7 +42,11 @@ def _scatter_map(obj: Any, devices: list[torch.device], dim: int) -> Any:
     where = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
     if not where:  # no batch: one rebuilt structure per device
         return [_tree.unflatten(spec, leaves) for _ in devices]
-    per_replica = _C.scatter_leaves([leaves[i] for i in where], devices, dim)
+    tensors = [leaves[i] for i in where]
+    if shares is not None:
+        per_replica = _C.scatter_shares(tensors, devices, shares, dim, api)[1]
+    else:
+        per_replica = _C.scatter_leaves(tensors, devices, dim)
     out = []
     for chunks in per_replica:
         for i, chunk in zip(where, chunks, strict=True):
@@ -45,15 +60,31 @@ T = TypeVar("T", dict, list, tuple)
 
 @overload
 def scatter(
-    inputs: torch.Tensor, target_gpus: Sequence[DeviceLike], dim: int = ...
+    inputs: torch.Tensor,
+    target_gpus: Sequence[DeviceLike],
+    dim: int = ...,
+    *,
+    shares: Sequence[float] | None = ...,
 ) -> tuple[torch.Tensor, ...]: ...
 
 
 @overload
-def scatter(inputs: T, target_gpus: Sequence[DeviceLike], dim: int = ...) -> list[T]: ...
+def scatter(
+    inputs: T,
+    target_gpus: Sequence[DeviceLike],
+    dim: int = ...,
+    *,
+    shares: Sequence[float] | None = ...,
+) -> list[T]: ...
 
 
-def scatter(inputs: Any, target_gpus: Sequence[DeviceLike], dim: int = 0) -> Any:
+def scatter(
+    inputs: Any,
+    target_gpus: Sequence[DeviceLike],
+    dim: int = 0,
+    *,
+    shares: Sequence[float] | None = None,
+) -> Any:
     r"""Slices tensors into approximately equal chunks and distributes them across devices.
 
     Same rules as :func:`torch.nn.parallel.scatter`: tensors are split with ``torch.chunk``
@@ -63,11 +94,22 @@ def scatter(inputs: Any, target_gpus: Sequence[DeviceLike], dim: int = 0) -> Any
     registered with ``torch.utils._pytree`` (``register_dataclass``, ...) are split field by
     field, as :func:`gather` takes them apart. The split is differentiable.
 
+    With :attr:`shares`, device ``i`` gets its share of the batch instead of an equal one: the
+    batch's ``B`` rows (the size along :attr:`dim` of the first tensor that does not have exactly
+    one row per device) are divided in proportion to the shares, rounded so that they add up to
+    ``B`` (the leftover rows go to the largest remainders, the earlier device on a tie; integer
+    shares that add up to ``B`` are taken as row counts). Every tensor must have ``B`` rows, or
+    one row per device (a value per replica). Devices that get no rows get no chunk, so the
+    result may be shorter than :attr:`target_gpus`.
+
     Args:
         inputs (Any): a tensor or a nested structure holding tensors.
         target_gpus (list of int or torch.device): the devices; ints are CUDA indices,
             ``torch.device('cpu')`` and ``torch.device('meta')`` are accepted and may repeat.
         dim (int, optional): the dimension to split along. Default: ``0``.
+        shares (sequence of float, keyword-only, optional): each device's share of the batch,
+            weights (``[1, 2, 2, 2]``) or row counts; one per device, finite, ``>= 0``, not all
+            zero (``ValueError`` otherwise). Default: ``None`` (``torch.chunk``'s split).
 
     Returns:
         A tuple of chunks for a tensor input, else a list of one rebuilt structure per chunk.
@@ -77,9 +119,35 @@ def scatter(inputs: Any, target_gpus: Sequence[DeviceLike], dim: int = 0) -> Any
         >>> chunks = torchdp.scatter((torch.randn(4, 2), "tag"), [torch.device("cpu")] * 2)
         >>> [c[0].shape[0] for c in chunks], chunks[1][1]
         ([2, 2], 'tag')
+        >>> [c.shape[0] for c in torchdp.scatter(torch.randn(7, 2), ["cpu"] * 2, shares=[1, 2])]
+        [2, 5]
     """
     devices = _to_devices(target_gpus, _SCATTER)
-    return _scatter_map(inputs, devices, _check_dim(dim, _SCATTER))
+    dim = _check_dim(dim, _SCATTER)
+    return _scatter_map(inputs, devices, dim, _check_shares(shares, len(devices), _SCATTER))
+
+
+def share_rows(shares: Sequence[float], rows: int) -> list[int]:
+    r"""The rows of a batch of :attr:`rows` rows that each device gets for :attr:`shares`, as
+    :func:`scatter`, :class:`DataParallel` and the C++ ``torchdp::share_rows`` divide them: in
+    proportion to the shares, rounded down, the rows left over one each to the largest remainders
+    (the earlier device on a tie); integer shares that add up to :attr:`rows` are the counts.
+
+    Args:
+        shares (sequence of float): one share per device: finite, ``>= 0``, not all zero.
+        rows (int): the batch size.
+
+    Returns:
+        list of int: one count per device, adding up to :attr:`rows`.
+
+    Example::
+
+        >>> torchdp.share_rows([1, 2, 2, 2], 16)
+        [2, 5, 5, 4]
+    """
+    api = "torchdp.share_rows"
+    size = len(shares) if isinstance(shares, Sequence) else 0
+    return _C.share_rows(_check_shares(shares, size, api), operator.index(rows), size, api)
 
 
 def scatter_kwargs(
@@ -87,6 +155,8 @@ def scatter_kwargs(
     kwargs: dict[str, Any] | None,
     target_gpus: Sequence[DeviceLike],
     dim: int = 0,
+    *,
+    shares: Sequence[float] | None = None,
 ) -> tuple[tuple[Any, ...], tuple[dict[str, Any], ...]]:
     r"""Scatters positional and keyword arguments, as :func:`torch.nn.parallel.scatter_kwargs`.
 
@@ -99,6 +169,9 @@ def scatter_kwargs(
         kwargs (dict or None): the keyword arguments.
         target_gpus (list of int or torch.device): the devices.
         dim (int, optional): the dimension to split tensors along. Default: ``0``.
+        shares (sequence of float, keyword-only, optional): each device's share of the batch,
+            as in :func:`scatter`; the positional and keyword arguments are split together, by
+            the same rows. Default: ``None``.
 
     Returns:
         ``(inputs_per_chunk, kwargs_per_chunk)``, two tuples.
@@ -109,6 +182,17 @@ def scatter_kwargs(
         >>> len(args), kws[1]["scale"]
         (2, 2.0)
     """
+    if shares is not None and (inputs or kwargs):  # one split of both: the same rows
+        devices = _to_devices(target_gpus, _SCATTER)
+        checked = _check_shares(shares, len(devices), "torchdp.scatter_kwargs")
+        pairs = _scatter_map(
+            (tuple(inputs), dict(kwargs or {})),
+            devices,
+            _check_dim(dim, _SCATTER),
+            checked,
+            "torchdp.scatter_kwargs",
+        )
+        return tuple(p[0] for p in pairs), tuple(p[1] for p in pairs)
     scattered_inputs: list[Any] = scatter(inputs, target_gpus, dim) if inputs else []
     scattered_kwargs: list[Any] = scatter(kwargs, target_gpus, dim) if kwargs else []
     if len(scattered_inputs) < len(scattered_kwargs):
@@ -117,6 +201,22 @@ def scatter_kwargs(
         # PyTorch's comparison against len(inputs), not the chunk count, kept.
         scattered_kwargs.extend({} for _ in range(len(scattered_inputs) - len(scattered_kwargs)))
     return tuple(scattered_inputs), tuple(scattered_kwargs)
+
+
+def _check_pad_value(pad_value: Any, api: str) -> bool | int | float | complex | None:
+    """``pad_value`` as a Python number (a one-element tensor or a NumPy scalar converted), or
+    ``None``; a TypeError naming ``api`` for anything else."""
+    if pad_value is None or isinstance(pad_value, (bool, int, float, complex)):
+        return pad_value
+    if isinstance(pad_value, torch.Tensor) and pad_value.numel() == 1:
+        return pad_value.item()
+    if isinstance(pad_value, numbers.Number) and hasattr(pad_value, "item"):
+        return pad_value.item()
+    raise TypeError(
+        f"{api}: pad_value must be a number (the value that pads outputs of different sizes, "
+        f"e.g. the tokenizer's pad_token_id) or None, got {type(pad_value).__qualname__} "
+        f"{pad_value!r:.40}"
+    )
 
 
 class _GatherTarget:
@@ -175,10 +275,10 @@ class _Join:
     the gathered structure's leaves and spec, the tensors joined in one call into C++ at the end
     (``places``: where each group's tensor goes among the leaves)."""
 
-    __slots__ = ("dim", "groups", "leaves", "places", "target")
+    __slots__ = ("dim", "groups", "leaves", "pad_value", "places", "target")
 
-    def __init__(self, target: _GatherTarget, dim: int) -> None:
-        self.target, self.dim = target, dim
+    def __init__(self, target: _GatherTarget, dim: int, pad_value: Any = None) -> None:
+        self.target, self.dim, self.pad_value = target, dim, pad_value
         self.leaves: list[Any] = []
         self.groups: list[list[torch.Tensor]] = []
         self.places: list[int] = []
@@ -360,7 +460,9 @@ class _Join:
         RuntimeErrors, name the tensor's index and shape)."""
         if self.groups:
             self.target.used = True
-            joined = _C.gather_leaves(self.groups, self.target.device, self.dim)
+            joined = _C.gather_leaves(
+                self.groups, self.target.device, self.dim, pad_value=self.pad_value
+            )
             for place, tensor in zip(self.places, joined, strict=True):
                 self.leaves[place] = tensor
         return self.leaves
@@ -379,7 +481,7 @@ def _constant(outputs: Sequence[Any]) -> Any:
     )
 
 
-def gather(outputs: Any, target_device: DeviceLike, dim: int = 0) -> Any:
+def gather(outputs: Any, target_device: DeviceLike, dim: int = 0, *, pad_value: Any = None) -> Any:
     r"""Gathers per-device outputs onto one device, as :func:`torch.nn.parallel.gather`.
 
     Tensors are concatenated along :attr:`dim` (differentiably); 0-dim tensors along dim 0
@@ -391,6 +493,10 @@ def gather(outputs: Any, target_device: DeviceLike, dim: int = 0) -> Any:
         target_device (int, str or torch.device): where to put the result; ``'cpu'`` for the
             CPU (``-1`` too, deprecated with a FutureWarning as in PyTorch).
         dim (int, optional): the dimension to concatenate along. Default: ``0``.
+        pad_value (number, keyword-only): tensors that differ in size along another dimension
+            (sequences generated to different lengths) are padded at its end with this value to
+            the largest size; padded positions get no gradient. Without it (the default, as
+            PyTorch) such tensors raise a ``RuntimeError``.
 
     Returns:
         The gathered structure.
@@ -407,11 +513,12 @@ def gather(outputs: Any, target_device: DeviceLike, dim: int = 0) -> Any:
             "torchdp.gather: expected one output per replica, got an empty sequence of outputs"
         )
     dim = _check_dim(dim, "torchdp.gather")
+    pad_value = _check_pad_value(pad_value, "torchdp.gather")
     if all(isinstance(o, torch.Tensor) for o in outputs):  # the common case, with no walk
         target.used = True
-        result = _C.gather(list(outputs), target.device, dim, True)
+        result = _C.gather(list(outputs), target.device, dim, True, pad_value)
     else:
-        join = _Join(target, dim)
+        join = _Join(target, dim, pad_value)
         spec = join.pair(outputs)
         result = _tree.unflatten(spec, join.join())
     if target.minus_one and target.used:

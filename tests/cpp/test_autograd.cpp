@@ -476,6 +476,36 @@ TEST_CASE("autograd::gather of 0-dim tensors gives a vector", "[cpu][autograd]")
   CHECK(s0.dim() == 0);
 }
 
+TEST_CASE("autograd::gather with a pad value: no gradient for padded positions",
+          "[cpu][autograd]") {
+  const auto a = leaf({2, 3}, torch::kDouble);
+  const auto b = leaf({1, 5}, torch::kDouble);
+  const auto c = torch::randn({1, 4}, torch::kDouble); // needs no grad
+  const auto out = torchdp::autograd::gather({a, b, c}, kCpu, 0, /*pad_value=*/0);
+  REQUIRE(out.sizes() == torch::IntArrayRef({4, 5}));
+  CHECK(torch::equal(out.narrow(0, 0, 2).narrow(1, 0, 3), a));
+  CHECK(torch::all(out.narrow(0, 0, 2).narrow(1, 3, 2) == 0).item<bool>());
+  const auto w = torch::randn({4, 5}, torch::kDouble);
+  const auto g = torch::autograd::grad({(out * w).sum()}, {a, b}, {}, true, true);
+  CHECK(torch::equal(g[0], w.narrow(0, 0, 2).narrow(1, 0, 3)));
+  CHECK(torch::equal(g[1], w.narrow(0, 2, 1)));
+  SECTION("double backward") {
+    const auto squares = torchdp::autograd::gather({a.pow(2), b.pow(2)}, kCpu, 0, 7);
+    const auto first = torch::autograd::grad({squares.sum()}, {a, b}, {}, true, true);
+    CHECK(torch::allclose(first[0], 2 * a.detach()));
+    REQUIRE(first[0].requires_grad());
+    (first[0].sum() + first[1].sum()).backward();
+    CHECK(torch::allclose(a.grad(), torch::full({2, 3}, 2.0, torch::kDouble)));
+    CHECK(torch::allclose(b.grad(), torch::full({1, 5}, 2.0, torch::kDouble)));
+  }
+  SECTION("the structured gather pads too") {
+    const auto joined = torchdp::gather(std::vector<torch::Tensor>{a, b}, kCpu, 0, -1.0);
+    REQUIRE(joined.sizes() == torch::IntArrayRef({3, 5}));
+    joined.sum().backward();
+    CHECK(torch::equal(a.grad(), torch::ones({2, 3}, torch::kDouble)));
+  }
+}
+
 TEST_CASE("autograd::gather errors", "[cpu][autograd]") {
   const char* api = "torchdp::autograd::gather";
   SECTION("0-dim tensors along dim 1") {

@@ -569,6 +569,63 @@ TEST_CASE("comm::gather errors", "[cpu][comm]") {
   }
 }
 
+TEST_CASE("comm::gather pads other dimensions with a pad value", "[cpu][comm]") {
+  // Token ids of different lengths along dim 1, gathered along dim 0.
+  const auto a = torch::tensor({1, 2, 3, 4}, torch::kLong).view({2, 2});
+  const auto b = torch::tensor({5, 6, 7}, torch::kLong).view({1, 3});
+  const auto c = torch::tensor({8}, torch::kLong).view({1, 1});
+  const auto out = torchdp::comm::gather({a, b, c}, kCpu, 0, /*pad_value=*/-1);
+  const auto expected =
+      torch::tensor({1, 2, -1, 3, 4, -1, 5, 6, 7, 8, -1, -1}, torch::kLong).view({4, 3});
+  CHECK(torch::equal(out, expected));
+
+  SECTION("along a negative dim, padding two dimensions") {
+    const auto x = torch::ones({2, 1, 3});
+    const auto y = torch::full({1, 2, 2}, 2.F);
+    const auto joined = torchdp::comm::gather({x, y}, kCpu, -1, 0.5);
+    REQUIRE(joined.sizes() == torch::IntArrayRef({2, 2, 5}));
+    CHECK(torch::equal(joined.narrow(2, 0, 3).narrow(1, 0, 1), x));
+    CHECK(torch::equal(joined.narrow(2, 3, 2).narrow(0, 0, 1), y));
+    CHECK(torch::all(joined.narrow(2, 0, 3).narrow(1, 1, 1) == 0.5).item<bool>());
+    CHECK(torch::all(joined.narrow(2, 3, 2).narrow(0, 1, 1) == 0.5).item<bool>());
+  }
+  SECTION("equal sizes are concatenated as without it") {
+    CHECK(torch::equal(torchdp::comm::gather({a, a}, kCpu, 0, 9), torch::cat({a, a})));
+  }
+  SECTION("to a meta destination") {
+    const auto meta = torchdp::comm::gather({a, b}, kMeta, 0, 0);
+    CHECK(meta.device().is_meta());
+    CHECK(meta.sizes() == torch::IntArrayRef({3, 3}));
+  }
+}
+
+TEST_CASE("comm::gather pad value errors", "[cpu][comm]") {
+  const char* api = "torchdp::comm::gather";
+  const auto a = torch::ones({1, 2}, torch::kLong);
+  const auto b = torch::ones({1, 3}, torch::kLong);
+  SECTION("without a pad value the error names the option") {
+    TORCHDP_CHECK_THROWS_WITH(torchdp::comm::gather({a, b}, kCpu), api, "invalid shape [1, 3]",
+                              "give a pad value (pad_value)");
+  }
+  SECTION("a different number of dimensions is not padded") {
+    TORCHDP_CHECK_THROWS_WITH(
+        torchdp::comm::gather({a, torch::ones({1, 2, 1}, torch::kLong)}, kCpu, 0, 0), api,
+        "input tensor at index 1", "invalid shape [1, 2, 1]");
+  }
+  SECTION("a pad value the dtype cannot hold") {
+    TORCHDP_CHECK_THROWS_WITH(torchdp::comm::gather({a, b}, kCpu, 0, 0.5), api, "pad value 0.5",
+                              "Long", "pad_token_id");
+    TORCHDP_CHECK_THROWS_WITH(
+        torchdp::comm::gather({a.to(torch::kByte), b.to(torch::kByte)}, kCpu, 0, -1), api,
+        "pad value -1", "Byte");
+    TORCHDP_CHECK_THROWS_WITH(
+        torchdp::comm::gather({a.to(torch::kBool), b.to(torch::kBool)}, kCpu, 0, 2), api,
+        "pad value 2", "Bool");
+    // Checked whatever the shapes, so the error does not depend on the data.
+    TORCHDP_CHECK_THROWS_WITH(torchdp::comm::gather({a, a}, kCpu, 0, 0.5), api, "pad value 0.5");
+  }
+}
+
 TEST_CASE("comm::reduce_add_coalesced sums sparse tensors sparsely, with a dense one densely",
           "[cpu][comm]") {
   const auto dense = torch::randn({4, 3});

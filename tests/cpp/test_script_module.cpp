@@ -320,3 +320,31 @@ TEST_CASE("ScriptDataParallel gathers on the CPU from one GPU listed twice", "[c
   CHECK(torch::allclose(e[0].toTensor(), expected.toTupleRef().elements()[0].toTensor().cpu(), 1e-5,
                         1e-6));
 }
+
+TEST_CASE("ScriptDataParallel with uneven shares equals the serial module",
+          "[cpu][script][shares]") {
+  torch::manual_seed(3);
+  auto serial = make_net();
+  torch::manual_seed(3);
+  auto wrapped = saved_and_loaded(make_net());
+  torchdp::ScriptDataParallel dp(wrapped, on(cpu_devices(3)).shares(std::vector<double>{0, 1, 3}));
+  const torch::jit::Kwargs alpha{{"alpha", 0.5}};
+  const auto batch = make_batch(7);
+  auto loss_serial = loss_of(serial.forward(batch.inputs(), alpha));
+  auto loss_dp = loss_of(dp.forward(batch.inputs(), alpha));
+  CHECK(torch::allclose(loss_serial, loss_dp, 1e-5, 1e-6));
+  loss_serial.backward();
+  loss_dp.backward();
+  std::map<std::string, at::Tensor> grads;
+  for (const auto& p : serial.named_parameters()) {
+    grads.emplace(p.name, p.value.grad());
+  }
+  for (const auto& p : wrapped.named_parameters()) {
+    INFO("parameter " << p.name);
+    REQUIRE(p.value.grad().defined());
+    CHECK(torch::allclose(grads.at(p.name), p.value.grad(), 1e-5, 1e-6));
+  }
+  TORCHDP_CHECK_THROWS_WITH(
+      torchdp::ScriptDataParallel(wrapped, on(cpu_devices(2)).shares(std::vector<double>{1})),
+      "torchdp::ScriptDataParallel", "shares [1] has 1 entries but there are 2 devices");
+}

@@ -81,6 +81,28 @@ def test_run_all_smoke_writes_valid_results(tmp_path):
     json.dumps(data)  # round-trips
 
 
+def test_memory_run_with_shares(tmp_path):
+    out = tmp_path / "shares.json"
+    args = (
+        "--memory",
+        "--smoke",
+        "--shares",
+        "1,3",
+        "--modes",
+        "torch_dp,torchdp,torchdp_balanced",
+    )
+    proc = _run_script("bench_train_step.py", *args, "--out", str(out), timeout=200)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    records = {r["mode"]: r for r in common.load(out)["records"] if r["gpus"] == 0}
+    assert records["torchdp"]["shares"] == [1.0, 3.0]
+    assert records["torchdp_balanced"]["shares"] == [1.0, 3.0]
+    assert "shares" not in records["torch_dp"]  # torch.nn.DataParallel, side by side
+    assert all(r.get("step_ms_median") for r in records.values()), records
+    bad = _run_script("bench_train_step.py", "--memory", "--smoke", "--shares", "1,2,3",
+                      "--out", str(tmp_path / "bad.json"), timeout=120)  # fmt: skip
+    assert bad.returncode != 0 and "give one share per GPU of the run" in bad.stderr
+
+
 def test_results_validation_rejects_incomplete_records():
     with pytest.raises(ValueError, match="lacks"):
         common.validate_record({"bench": "train_step", "model": "mlp200"})

@@ -99,11 +99,12 @@ struct ScatterBackward : Node {
 
 struct GatherBackward : Node {
   GatherBackward(std::vector<c10::Device> input_devices, std::vector<int64_t> sizes, int64_t dim,
-                 bool unsqueezed)
+                 bool unsqueezed, std::vector<std::vector<int64_t>> padded_shapes)
       : input_devices_(std::move(input_devices)),
         sizes_(std::move(sizes)),
         dim_(dim),
-        unsqueezed_(unsqueezed) {}
+        unsqueezed_(unsqueezed),
+        padded_shapes_(std::move(padded_shapes)) {}
 
   std::string name() const override {
     return "torchdp::GatherBackward";
@@ -112,6 +113,9 @@ struct GatherBackward : Node {
   variable_list apply(variable_list&& grads) override {
     if (!grads[0].defined()) {
       return variable_list(input_devices_.size());
+    }
+    if (!padded_shapes_.empty()) {
+      return unpadded(grads[0]);
     }
     auto parts = scatter(grads[0], input_devices_, sizes_, dim_);
     if (unsqueezed_) {
@@ -122,10 +126,31 @@ struct GatherBackward : Node {
     return parts;
   }
 
+  // Each input's slot of a padded gather's gradient, without the padding (Note [Padded gather]),
+  // through differentiable ops so double backward works.
+  variable_list unpadded(const at::Tensor& grad) const {
+    variable_list parts;
+    parts.reserve(padded_shapes_.size());
+    int64_t offset = 0;
+    for (const auto i : c10::irange(padded_shapes_.size())) {
+      const auto& shape = padded_shapes_[i];
+      auto part = grad.narrow(dim_, offset, shape[dim_]);
+      for (const auto d : c10::irange(static_cast<int64_t>(shape.size()))) {
+        if (d != dim_ && part.size(d) != shape[d]) {
+          part = part.narrow(d, 0, shape[d]);
+        }
+      }
+      parts.push_back(part.to(input_devices_[i]));
+      offset += shape[dim_];
+    }
+    return parts;
+  }
+
   std::vector<c10::Device> input_devices_;
   std::vector<int64_t> sizes_;
   int64_t dim_;
   bool unsqueezed_;
+  std::vector<std::vector<int64_t>> padded_shapes_; // the inputs' shapes, when padding was needed
 };
 
 } // namespace
@@ -187,7 +212,8 @@ std::vector<at::Tensor> scatter(const at::Tensor& input, const std::vector<c10::
   return chunks;
 }
 
-at::Tensor gather(at::TensorList inputs_in, c10::Device destination, int64_t dim) {
+at::Tensor gather(at::TensorList inputs_in, c10::Device destination, int64_t dim,
+                  const std::optional<at::Scalar>& pad_value) {
   constexpr const char* api = "torchdp::autograd::gather";
   TORCH_CHECK(!inputs_in.empty(), api, ": expected at least one tensor to gather from, got none");
   bool all_scalars = true;
@@ -209,18 +235,29 @@ at::Tensor gather(at::TensorList inputs_in, c10::Device destination, int64_t dim
       t = t.view({1});
     }
   }
-  auto output = comm::gather(inputs, destination, dim);
+  auto output = comm::gather(inputs, destination, dim, pad_value);
   if (!any_requires_grad(inputs_in)) {
     return output;
   }
   const int64_t wrapped = c10::maybe_wrap_dim(dim, inputs[0].dim());
   std::vector<c10::Device> devices;
   std::vector<int64_t> sizes;
+  std::vector<std::vector<int64_t>> padded_shapes;
+  bool padded = false;
   for (const auto& t : inputs) {
     devices.push_back(detail::canonical(t.device()));
     sizes.push_back(t.size(wrapped));
+    for (int64_t d = 0; d < t.dim(); ++d) {
+      padded = padded || (d != wrapped && t.size(d) != output.size(d));
+    }
   }
-  auto node = make_node<GatherBackward>(devices, sizes, wrapped, /*unsqueezed=*/all_scalars);
+  if (padded) {
+    for (const auto& t : inputs) {
+      padded_shapes.push_back(t.sizes().vec());
+    }
+  }
+  auto node = make_node<GatherBackward>(devices, sizes, wrapped, /*unsqueezed=*/all_scalars,
+                                        std::move(padded_shapes));
   node->set_next_edges(edges_of(inputs_in));
   attach(node, output, true);
   return output;

@@ -14,7 +14,9 @@
 #include <c10/util/irange.h>
 
 #include <algorithm>
+#include <cmath>
 #include <map>
+#include <utility>
 
 namespace torchdp::comm {
 namespace {
@@ -168,6 +170,47 @@ void check_same_device(at::TensorList tensors, c10::Device expected, const char*
                 " is on ", tensors[i].device(), " but all tensors must be on ", expected,
                 " (devices[0]); move them there first");
   }
+}
+
+// Note [Padded gather]
+// Replicas that generate sequences stop at different lengths, so their outputs differ along a
+// dimension other than the gather dimension. With a pad value, the output takes the largest size
+// in every such dimension, starts filled with the pad value, and each input is copied into the
+// start of its slot (padding goes at the end, as generate's own padding of finished rows). The
+// backward hands each input the gradient of its slot only: padded positions get none.
+
+// Integer limits of `dtype`, or nullopt for a floating or complex dtype (any real value fits).
+std::optional<std::pair<double, double>> integer_range(at::ScalarType dtype) {
+  switch (dtype) {
+    case at::kBool:
+      return std::make_pair(0.0, 1.0);
+    case at::kByte:
+      return std::make_pair(0.0, 255.0);
+    case at::kChar:
+      return std::make_pair(-128.0, 127.0);
+    case at::kShort:
+      return std::make_pair(-32768.0, 32767.0);
+    case at::kInt:
+      return std::make_pair(-2147483648.0, 2147483647.0);
+    case at::kLong:
+      return std::make_pair(-9223372036854775808.0, 9223372036854775807.0);
+    default:
+      return std::nullopt;
+  }
+}
+
+// A pad value must be storable as it is: 0.5 would silently become 0 in a tensor of token ids,
+// -1 wrap around in a uint8 one.
+void check_pad_value(const at::Scalar& pad, at::ScalarType dtype, const char* api) {
+  const auto range = integer_range(dtype);
+  bool fits = !pad.isComplex() || c10::isComplexType(dtype);
+  if (fits && range) {
+    const double v = pad.toDouble();
+    fits = std::trunc(v) == v && v >= range->first && v <= range->second;
+  }
+  TORCH_CHECK(fits, api, ": the pad value ", pad, " cannot be stored in the gathered tensors' ",
+              "dtype ", dtype, " as it is; give a pad value of that dtype (for token ids, e.g. ",
+              "the tokenizer's pad_token_id)");
 }
 
 } // namespace
@@ -374,7 +417,8 @@ std::vector<at::Tensor> scatter(const at::Tensor& tensor,
   return chunks;
 }
 
-at::Tensor gather(at::TensorList tensors, c10::Device destination_in, int64_t dim) {
+at::Tensor gather(at::TensorList tensors, c10::Device destination_in, int64_t dim,
+                  const std::optional<at::Scalar>& pad_value) {
   constexpr const char* api = "torchdp::comm::gather";
   TORCH_CHECK(!tensors.empty(), api, ": expected at least one tensor to gather from, got none");
   const auto destination = normalize_device(destination_in, api);
@@ -386,9 +430,13 @@ at::Tensor gather(at::TensorList tensors, c10::Device destination_in, int64_t di
                     " is out of range for tensors of shape ", first.sizes(), "; it must be in [",
                     -first.dim(), ", ", first.dim() - 1, "], the dimension to concatenate along");
   const int64_t wrapped = c10::maybe_wrap_dim(dim, first.dim());
+  if (pad_value) {
+    check_pad_value(*pad_value, first.scalar_type(), api);
+  }
   auto sizes = first.sizes().vec();
   int64_t total = 0;
   bool same_format = true;
+  bool padded = false;
   const auto format = first.suggest_memory_format();
   for (const auto i : c10::irange(tensors.size())) {
     const auto& t = tensors[i];
@@ -400,7 +448,11 @@ at::Tensor gather(at::TensorList tensors, c10::Device destination_in, int64_t di
                 t.scalar_type(), " but tensor 0 has ", first.scalar_type());
     bool ok = t.dim() == first.dim();
     for (int64_t d = 0; ok && d < first.dim(); ++d) {
-      ok = d == wrapped || t.size(d) == first.size(d);
+      if (d != wrapped && t.size(d) != first.size(d)) {
+        ok = pad_value.has_value();
+        padded = true;
+        sizes[d] = std::max(sizes[d], t.size(d));
+      }
     }
     if (!ok) {
       auto expected = first.sizes().vec();
@@ -409,18 +461,34 @@ at::Tensor gather(at::TensorList tensors, c10::Device destination_in, int64_t di
       }
       TORCH_CHECK(false, api, ": input tensor at index ", i, " has invalid shape ", t.sizes(),
                   ", but expected ", c10::IntArrayRef(expected),
-                  " (all dimensions but dim=", wrapped, " must match)");
+                  " (all dimensions but dim=", wrapped, " must match",
+                  t.dim() != first.dim() ? ""
+                                         : "; to pad tensors that differ in other dimensions to "
+                                           "the largest size, give a pad value (pad_value)",
+                  ")");
     }
     total += t.size(wrapped);
     same_format = same_format && t.suggest_memory_format() == format;
   }
   sizes[wrapped] = total;
   at::NoGradGuard no_grad;
-  auto out = at::empty(sizes, first.options().device(destination),
-                       same_format ? format : c10::MemoryFormat::Contiguous);
+  const auto options = first.options().device(destination);
+  at::Tensor out;
+  if (padded) {
+    // Note [Padded gather].
+    out = at::full(sizes, *pad_value, options);
+  } else {
+    out = at::empty(sizes, options, same_format ? format : c10::MemoryFormat::Contiguous);
+  }
   int64_t offset = 0;
   for (const auto& t : tensors) {
-    out.narrow(wrapped, offset, t.size(wrapped)).copy_(t, non_blocking_to(destination));
+    auto slot = out.narrow(wrapped, offset, t.size(wrapped));
+    for (int64_t d = 0; padded && d < t.dim(); ++d) {
+      if (d != wrapped) {
+        slot = slot.narrow(d, 0, t.size(d));
+      }
+    }
+    slot.copy_(t, non_blocking_to(destination));
     offset += t.size(wrapped);
   }
   return out;
