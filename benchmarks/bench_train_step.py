@@ -12,11 +12,15 @@ models.py, in fp32 and under bf16 autocast, every mode from the same weights and
   ``torchdp_graphs``: ``cuda_graphs=True``, with its one-GPU baseline ``single_graphs`` (GPUs);
 * ``ddp``: DistributedDataParallel, one process per GPU (batch / gpus each, a step's time the
   slowest rank's); likewise ``torchdp_process_group`` (``torchdp.DataParallel(process_group=
-  WORLD)``) and ``ddp_over_torchdp`` (DDP around torchdp.DataParallel).
+  WORLD)``) and ``ddp_over_torchdp`` (DDP around torchdp.DataParallel);
+* ``single_compiled``: ``torch.compile(model)`` on the first GPU; ``torchdp_compiled``:
+  ``torch.compile(torchdp.DataParallel(model))`` (each replica's forward compiled);
+  ``torchdp_compiled_inside``: ``torchdp.DataParallel(torch.compile(model))`` (inductor, the
+  warm-up steps compile).
 
-``torchdp_new_replicas``, ``torchdp_process_group`` and ``ddp_over_torchdp`` run only when
-``--modes`` names them. ``--memory``: the memory run (records ``memory``) of models.py's language
-model with a 50k-token output layer, fp32, peak memory per GPU and ``mem_ratio_gpu0_gpu1``; besides
+``torchdp_new_replicas``, ``torchdp_process_group``, ``ddp_over_torchdp`` and the compiled modes
+run only when ``--modes`` names them. ``--memory``: the memory run (records ``memory``) of
+models.py's language model with a 50k-token output layer, fp32, peak memory per GPU and ``mem_ratio_gpu0_gpu1``; besides
 ``single``, ``torch_dp``, ``torchdp`` and ``ddp`` (the loss on GPU 0) it times the loss per
 replica: ``torchdp_balanced`` (``gather_output=False`` with ``DataParallelCriterion``) and
 ``torch_dp_balanced`` (model and loss in one module, each replica returning its loss).
@@ -28,6 +32,8 @@ the data-parallel modes on those GPUs (a GPU may repeat: two replicas on one GPU
     python benchmarks/bench_train_step.py --memory --out results/memory.json    # 2 H200: ~1 min
     python benchmarks/bench_train_step.py --memory --device-ids 0,0 --shares 1,2 --out /tmp/m.json
     python benchmarks/bench_train_step.py --smoke --out /tmp/ts.json            # CPU, < 60 s
+    python benchmarks/bench_train_step.py --modes single,single_compiled,torchdp,torchdp_compiled,\
+        torchdp_compiled_inside --device-ids 0,0 --out results/compiled.json   # eager vs compiled
 """
 
 from __future__ import annotations
@@ -57,11 +63,13 @@ DTYPES = ("fp32", "bf16")
 MODES = (
     "single", "single_graphs", "single_shard", "torch_dp", "torchdp", "torchdp_serial",
     "torchdp_new_replicas", "torchdp_graphs", "ddp", "torchdp_process_group", "ddp_over_torchdp",
+    "single_compiled", "torchdp_compiled", "torchdp_compiled_inside",
 )  # fmt: skip
 MEMORY_MODES = ("single", "torch_dp", "torchdp", "torchdp_balanced", "torch_dp_balanced", "ddp")
-OPT_IN_MODES = ("torchdp_new_replicas", "torchdp_process_group", "ddp_over_torchdp")
+COMPILE_MODES = ("single_compiled", "torchdp_compiled", "torchdp_compiled_inside")
+OPT_IN_MODES = ("torchdp_new_replicas", "torchdp_process_group", "ddp_over_torchdp", *COMPILE_MODES)
 GRAPH_MODES = ("single_graphs", "torchdp_graphs")  # CUDA only
-ONE_GPU_MODES = ("single", "single_graphs", "single_shard")
+ONE_GPU_MODES = ("single", "single_graphs", "single_shard", "single_compiled")
 PROCESS_MODES = ("ddp", "torchdp_process_group", "ddp_over_torchdp")
 SKIPPED = "skipped: time budget exhausted"
 NOTES = {
@@ -72,6 +80,9 @@ NOTES = {
     "torchdp_graphs": "cuda_graphs=True: kept replicas, forward and backward replayed as graphs",
     "torchdp_balanced": "gather_output=False + DataParallelCriterion: loss on each replica's GPU",
     "torch_dp_balanced": "loss computed inside each replica",
+    "single_compiled": "torch.compile(model) on the first GPU alone",
+    "torchdp_compiled": "torch.compile(torchdp.DataParallel(model)): each replica compiled",
+    "torchdp_compiled_inside": "torchdp.DataParallel(torch.compile(model))",
 }
 TORCH_DP_NOTES = {
     "cpu": "CPU: torch.nn.DataParallel is a passthrough without CUDA (the whole batch runs "
@@ -110,7 +121,10 @@ def wrap(
         "gather_output": mode != "torchdp_balanced",
         "shares": shares,
     }
-    return torchdp.DataParallel(model, devices=devices, **options)
+    if mode == "torchdp_compiled_inside":
+        model = torch.compile(model)
+    dp = torchdp.DataParallel(model, devices=devices, **options)
+    return torch.compile(dp) if mode == "torchdp_compiled" else dp
 
 
 def grad_check(master: nn.Module, x, target, dtype: str, devices: list) -> dict[str, Any]:
@@ -159,6 +173,8 @@ def run_local(
         x, target = x[:share], None if target is None else target[:share]
         devices = devices[:1]
     net = model if mode in ("single", "single_shard") else wrap(mode, model, devices, shares)
+    if mode == "single_compiled":
+        net, devices = torch.compile(model), devices[:1]
     if net is model or (mode.startswith("torch_dp") and devices[0].type == "cpu"):
         devices = devices[:1]  # the plain model, or torch.nn.DataParallel's passthrough
     if mode == "torchdp_balanced":
@@ -389,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def counts_of(mode: str) -> list[int]:
         """The GPU counts of a mode's records; single_shard's are the shares it takes."""
-        if mode in ("single", "single_graphs"):
+        if mode in ("single", "single_graphs", "single_compiled"):
             return [1]
         return run.multi or [2] if mode == "single_shard" else run.multi
 

@@ -4,6 +4,7 @@ and ``torch.nn.parallel.data_parallel``."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import operator
 import sys
@@ -20,7 +21,7 @@ from torch._utils import (
     _get_device_index,
 )
 
-from torchdp import _C, _methods, _tree
+from torchdp import _C, _compile, _methods, _tree
 from torchdp._attributes import check_stale_attribute_policy
 from torchdp._devices import (
     DeviceLike,
@@ -479,6 +480,19 @@ class DataParallel(_TorchDataParallel[T]):
         if found is not None:
             raise _device_error(self.src_device_obj, found, wrapper=True)
 
+    @_compile.skip_frame
+    def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
+        # Under torch.compile the step runs eagerly and the replicas compiled (Note [Compiling
+        # the wrapper]); otherwise nn.Module.__call__ as it is.
+        return _compile.enter(super().__call__, *inputs, **kwargs)
+
+    def compile(self, *args: Any, **kwargs: Any) -> None:
+        """Compiles the replicas' forward with :func:`torch.compile` in place, as
+        ``torch.compile(dp)`` does (Note [Compiling the wrapper]); the arguments are
+        :func:`torch.compile`'s."""
+        call = functools.partial(_compile.enter, self._call_impl)
+        self._compiled_call_impl = torch.compile(call, *args, **kwargs)
+
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         r"""Runs :attr:`module` on every device, each replica on its share of the inputs.
 
@@ -516,9 +530,8 @@ class DataParallel(_TorchDataParallel[T]):
         with record_function(f"DataParallel.{method or 'forward'}"):
             watch = self._before_forward()
             if not self.device_ids:
-                return watch(
-                    self._one_output(_methods.bound(self.module, method)(*inputs, **kwargs))
-                )
+                call = _compile.compiled(_methods.bound(self.module, method))
+                return watch(self._one_output(call(*inputs, **kwargs)))
             n = len(self.device_ids)
             if n > 1:
                 _C.check_forward_context(_API)
@@ -530,7 +543,7 @@ class DataParallel(_TorchDataParallel[T]):
                     self._one_output(outputs[0]) if n == 1 else self._gathered(outputs, pad_value)
                 )
             if n == 1:
-                call = _methods.bound(self.module, method)
+                call = _compile.compiled(_methods.bound(self.module, method))
                 return watch(self._one_output(call(*chunks[0], **chunk_kwargs[0])))
             chunks, chunk_kwargs = _check_chunks(
                 inputs,
@@ -731,11 +744,13 @@ def _first_compiled_call(module: nn.Module, inputs: Sequence[Any], kwargs: Any) 
     # None: an unhashable module, which named_modules() cannot walk either.
     if seen is None or len(seen) >= _COMPILED_SIGNATURES:
         return False
-    key = (_signature(inputs), _signature(kwargs), module.training, torch.is_grad_enabled())
+    wrapper = _compile.callback()  # torch.compile of the wrapper: its own cache entries
+    grad = torch.is_grad_enabled()
+    key = (_signature(inputs), _signature(kwargs), module.training, grad, id(wrapper))
     if key in seen:
         return False
     seen.add(key)
-    return _holds_compiled(module)
+    return wrapper is not None or _holds_compiled(module)
 
 
 def _signature(value: Any) -> Any:

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch._utils import ExceptionWrapper
 
-from torchdp import _C, _tree
+from torchdp import _C, _compile, _tree
 from torchdp._devices import DeviceLike, _device_label, _to_device
 
 __all__ = ["get_a_var", "parallel_apply"]
@@ -44,6 +44,8 @@ class _Failure:
 def _replica_call(
     index: int, module: nn.Module, input: Any, kwargs: dict[str, Any], label: int | str
 ) -> Callable[[], Any]:
+    module = _compile.compiled(module)  # Note [Compiling the wrapper]
+
     def run() -> Any:
         try:
             # A single object is the only argument (this also avoids slicing a tensor).

@@ -6,6 +6,7 @@ and that nothing is recompiled per step."""
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import pytest
@@ -164,22 +165,140 @@ def test_inductor_compiled_wrapper_on_cuda_replicas():
     assert_steps_match_eager(dp, net, eager, inputs, rtol=1e-4, atol=1e-5)
 
 
-# Dynamo warns that it cannot trace torchdp's C++ functions (the graph breaks) and about the
-# replicas' non-leaf parameter copies it inspects.
-@pytest.mark.filterwarnings("ignore::UserWarning")
-def test_compiling_the_data_parallel_itself_runs():
-    # torch.compile around the DataParallel: dynamo stops at torchdp's C++ calls (graph breaks)
-    # and the replicas run as usual.
+def compiled_dp(style: str, net: nn.Module, devices: list, **options) -> nn.Module:
+    """``net`` in a DataParallel compiled as a whole: ``torch.compile(dp)`` or ``dp.compile()``."""
+    dp = torchdp.DataParallel(net, devices=devices)
+    if style == "torch_compile":
+        return torch.compile(dp, **options)
+    dp.compile(**options)
+    return dp
+
+
+@contextlib.contextmanager
+def no_warnings():
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        yield
+    assert [str(w.message) for w in seen] == []
+
+
+@pytest.mark.parametrize("style", ["torch_compile", "in_place"])
+def test_compiling_the_wrapper_compiles_the_replicas_once(style):
+    # Note [Compiling the wrapper]: torchdp's step runs eagerly, every replica's forward runs
+    # compiled, one graph for the device (both replicas are on the CPU), reused by every step.
     torch.manual_seed(0)
     net = Net()
     eager = clone_module(net)
-    dp = torchdp.DataParallel(net, devices=cpu_devices(2))
-    assert_steps_match_eager(
-        torch.compile(dp, backend=CountingBackend()),
-        net,
-        eager,
-        [torch.randn(6, 8) for _ in range(2)],
-    )
+    backend = CountingBackend()
+    dp = compiled_dp(style, net, cpu_devices(2), backend=backend)
+    per_step = []
+    with no_warnings():
+        for _ in range(4):
+            before = (backend.compiles, backend.calls)
+            assert_steps_match_eager(dp, net, eager, [torch.randn(6, 8)])
+            per_step.append((backend.compiles - before[0], backend.calls - before[1]))
+    assert per_step == [(1, 2), (0, 2), (0, 2), (0, 2)], per_step
+
+
+def test_explain_of_the_compiled_wrapper_finds_one_graph_and_no_break():
+    dp = torchdp.DataParallel(Net(), devices=cpu_devices(2))
+    with no_warnings():
+        explained = torch_dynamo.explain(dp)(torch.randn(6, 8))
+    assert explained.graph_count == 1
+    assert explained.graph_break_count == 0 and explained.break_reasons == []
+    assert explained.op_count >= 3  # the replica's linear, relu, linear and scale
+
+
+def test_replicas_of_torch_nn_modules_compile_too():
+    # Dynamo compiles no frame of torch.nn's own modules called directly; the replicas run in a
+    # frame of torchdp's (one per module class) that it compiles whole.
+    net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    with no_warnings():
+        explained = torch_dynamo.explain(torchdp.DataParallel(net, devices=cpu_devices(2)))(
+            torch.randn(6, 8)
+        )
+    assert (explained.graph_count, explained.graph_break_count, explained.op_count) == (1, 0, 3)
+
+
+def test_fullgraph_compiles_the_replicas_and_names_a_replica_that_breaks():
+    torch.manual_seed(0)
+    net = Net()
+    eager = clone_module(net)
+    dp = compiled_dp("torch_compile", net, cpu_devices(2), backend="eager", fullgraph=True)
+    assert_steps_match_eager(dp, net, eager, [torch.randn(6, 8) for _ in range(2)])
+
+    class Breaks(Net):
+        def forward(self, x):
+            torch_dynamo.graph_break()
+            return super().forward(x)
+
+    dp = compiled_dp("torch_compile", Breaks(), cpu_devices(2), backend="eager", fullgraph=True)
+    with pytest.raises(
+        torch_dynamo.exc.Unsupported, match=r"(?s)in replica 0 on device cpu.*graph_break"
+    ):
+        dp(torch.randn(6, 8))
+
+
+def test_one_device_and_new_batch_sizes_under_the_compiled_wrapper():
+    # One device: the module is called directly, compiled; four: a new batch size compiles once
+    # (the replicas run it in order the first time), then every replica runs it compiled.
+    backend = CountingBackend()
+    one = compiled_dp("torch_compile", Net(), cpu_devices(1), backend=backend)
+    one(torch.randn(4, 8))
+    assert (backend.compiles, backend.calls) == (1, 1)
+    torch_dynamo.reset()  # dynamo's cache is per code object: Net.forward's, shared
+    backend = CountingBackend()
+    dp = compiled_dp("torch_compile", Net(), cpu_devices(4), backend=backend)
+    per_step = []
+    for batch in (32, 32, 20, 20, 32):
+        before = (backend.compiles, backend.calls)
+        dp(torch.randn(batch, 8)).sum().backward()
+        per_step.append((backend.compiles - before[0], backend.calls - before[1]))
+    assert per_step == [(1, 4), (0, 4), (1, 4), (0, 4), (0, 4)], per_step
+
+
+def test_a_compiled_model_holding_the_wrapper_breaks_once_before_it():
+    # The wrapper inside a model compiled as a whole: dynamo stops at the wrapper with a reason
+    # (no warning), and the replicas still run compiled.
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.dp = torchdp.DataParallel(Net(), devices=cpu_devices(2))
+
+        def forward(self, x):
+            return self.dp(x * 2.0) + 1.0
+
+    torch.manual_seed(0)
+    outer = Outer()
+    x = torch.randn(6, 8)
+    with no_warnings():
+        explained = torch_dynamo.explain(outer)(x)
+    reasons = [str(r.reason) for r in explained.break_reasons]
+    assert len(reasons) == 1 and "DataParallel.__call__" in reasons[0], reasons
+    backend = CountingBackend()
+    with no_warnings():
+        out = torch.compile(outer, backend=backend)(x)
+    torch.testing.assert_close(out, outer.dp.module(x * 2.0) + 1.0)
+    assert backend.calls >= 2 + 2  # the graph before the wrapper and the two replicas (and after)
+
+
+def test_the_wrapper_runs_eagerly_and_unchanged_outside_compile():
+    from torchdp import _compile
+
+    dp = torchdp.DataParallel(Net(), devices=cpu_devices(2))
+    dp(torch.randn(4, 8))
+    assert _compile.callback() is None
+
+
+@pytest.mark.needs_cuda
+def test_inductor_compiled_wrapper_on_two_replicas_of_one_gpu():
+    torch.manual_seed(0)
+    dev = torch.device("cuda", 0)
+    net = Net().to(dev)
+    eager = clone_module(net)
+    dp = compiled_dp("torch_compile", net, [dev, dev])
+    inputs = [torch.randn(16, 8, device=dev) for _ in range(3)]
+    assert_steps_match_eager(dp, net, eager, inputs, rtol=1e-4, atol=1e-5)
 
 
 def test_compiled_submodule():
