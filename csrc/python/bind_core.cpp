@@ -420,6 +420,46 @@ when a device of the list holds data).)doc");
         "``scatter_leaves`` by the rows ``shares`` give each device: ``(index, per_replica)``, "
         "replica i on ``devices[index[i]]``; devices without rows get none.");
 
+  m.def("scatter_items",
+        without_gil([](const std::vector<at::Tensor>& tensors, const std::vector<int64_t>& item_of,
+                       int64_t items, const std::vector<c10::Device>& devices,
+                       const std::optional<std::vector<double>>& shares, int64_t dim,
+                       const std::string& api, const std::vector<std::string>& names) {
+          auto split = torchdp::detail::scatter_items(
+              tensors, item_of, items, devices, shares, dim, api.c_str(), [&names](size_t k) {
+                return k < names.size() ? names[k] : c10::str("tensor ", k, " of the input");
+              });
+          return std::make_tuple(std::move(split.index), std::move(split.begin),
+                                 std::move(split.count), std::move(split.parts));
+        }),
+        py::arg("tensors"), py::arg("item_of"), py::arg("items"), py::arg("devices"),
+        py::arg("shares"), py::arg("dim"), py::arg("api"), py::arg("names"),
+        "Split by item (Note [Lists of samples]): ``(index, begin, count, per_replica)``, "
+        "replica i on ``devices[index[i]]`` with items ``begin[i]:begin[i] + count[i]``; its "
+        "list holds None for the other replicas' items.");
+
+  m.def(
+      "check_batch_lists",
+      [](const std::vector<std::pair<std::string, std::vector<std::vector<int64_t>>>>& lists,
+         size_t devices, int64_t dim, const std::string& api, const std::string& option) {
+        std::vector<torchdp::detail::BatchList> described;
+        for (const auto& [name, shapes] : lists) {
+          described.push_back({name, shapes});
+        }
+        torchdp::detail::check_batch_lists(described, devices, dim, api.c_str(), option.c_str());
+      },
+      py::arg("lists"), py::arg("devices"), py::arg("dim"), py::arg("api"), py::arg("option"),
+      "ValueError for a list of tensors, given as ``(name, shapes)``, that cannot be one "
+      "batch (Note [Lists of samples]).");
+
+  m.def(
+      "gather_samples",
+      without_gil([](const std::vector<std::vector<at::Tensor>>& outputs, c10::Device destination) {
+        return torchdp::gather_samples(outputs, destination);
+      }),
+      py::arg("outputs"), py::arg("destination"),
+      "The replicas' per-sample tensors in one list on ``destination``, in order.");
+
   m.def("gather_leaves",
         without_gil([](const std::vector<std::vector<at::Tensor>>& groups, c10::Device destination,
                        int64_t dim, const PadValue& pad) {

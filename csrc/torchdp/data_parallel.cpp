@@ -167,7 +167,8 @@ std::vector<at::Tensor> DataParallelImpl::run(std::vector<at::Tensor> inputs, co
 std::vector<c10::IValue> DataParallelImpl::run_flat(std::vector<at::Tensor> inputs,
                                                     const Names& names, const FlatCall& call,
                                                     const Call* graph_call,
-                                                    std::shared_ptr<BufferSnapshot>* buffers) {
+                                                    std::shared_ptr<BufferSnapshot>* buffers,
+                                                    const detail::Items* items) {
   check_fixed_options();
 #if TORCHDP_WITH_C10D
   const auto& group = options.process_group();
@@ -193,7 +194,7 @@ std::vector<c10::IValue> DataParallelImpl::run_flat(std::vector<at::Tensor> inpu
     sync_->before_forward(*module_, grad_sync && options.broadcast_buffers());
   }
 #endif
-  auto outputs = run_here(std::move(inputs), names, call, graph_call, originals, buffers);
+  auto outputs = run_here(std::move(inputs), names, call, graph_call, originals, buffers, items);
 #if TORCHDP_WITH_C10D
   if (grad_sync) {
     std::vector<at::Tensor> watched;
@@ -211,7 +212,8 @@ std::vector<c10::IValue> DataParallelImpl::run_here(std::vector<at::Tensor> inpu
                                                     const Names& names, const FlatCall& call,
                                                     const Call* graph_call,
                                                     const std::vector<at::Tensor>& originals,
-                                                    std::shared_ptr<BufferSnapshot>* buffers) {
+                                                    std::shared_ptr<BufferSnapshot>* buffers,
+                                                    const detail::Items* items) {
   if (device_ids_.empty()) {
     return {call(any_, inputs, false)};
   }
@@ -221,6 +223,9 @@ std::vector<c10::IValue> DataParallelImpl::run_here(std::vector<at::Tensor> inpu
       x = x.to(device_ids_.front());
     }
     split = {device_ids_, {std::move(inputs)}};
+  } else if (items != nullptr) {
+    check_shares();
+    split = step_.split_items(inputs, *items, device_ids_, options.dim(), names, options.shares());
   } else {
     check_shares();
     split = step_.split(inputs, device_ids_, options.dim(), names, options.shares());
@@ -311,18 +316,67 @@ std::vector<c10::IValue> DataParallelImpl::run_structured(
                     ": cuda_graphs replays forwards of tensor arguments that return one tensor; "
                     "this forward takes or returns other types. Turn cuda_graphs off, or give the "
                     "module a forward over tensors");
+  // Note [Lists of samples]: the std::vector<at::Tensor> arguments are lists of samples.
+  const auto& arguments = inputs.toTupleRef().elements();
+  detail::Items flat{{}, -1};
+  std::vector<detail::BatchList> lists;
+  for (const auto a : c10::irange(arguments.size())) {
+    if (!arguments[a].isTensorList()) {
+      flat.item_of.insert(flat.item_of.end(), detail::tensors_of(arguments[a]).size(), -1);
+      continue;
+    }
+    const auto list = arguments[a].toTensorVector();
+    if (options.samples()) {
+      const auto length = static_cast<int64_t>(list.size());
+      TORCH_CHECK_VALUE(flat.items < 0 || flat.items == length, kApi,
+                        ": the lists of samples have different lengths: ", flat.items,
+                        " samples in an earlier argument but forward argument ", a, " has ", length,
+                        "; give every list one entry per sample");
+      flat.items = length;
+      for (const auto k : c10::irange(list.size())) {
+        flat.item_of.push_back(static_cast<int64_t>(k));
+      }
+    } else {
+      detail::BatchList described{c10::str("forward argument ", a), {}};
+      for (const auto& t : list) {
+        described.shapes.push_back(t.sizes().vec());
+      }
+      lists.push_back(std::move(described));
+    }
+  }
+  if (device_ids_.size() > 1) {
+    detail::check_batch_lists(lists, device_ids_.size(), options.dim(), kApi,
+                              "DataParallelOptions().samples(true)");
+  }
+  const bool by_item = flat.items >= 0;
   return run_flat(
       std::move(tensors), names,
       [&](torch::nn::AnyModule& m, std::vector<at::Tensor>& args, bool split) {
         // Split arguments get containers of their own; otherwise unmoved ones stay the caller's.
-        return call(m, detail::map_tensors(
-                           inputs,
-                           [&args](size_t k, const at::Tensor&) {
-                             return args[k];
-                           },
-                           /*keep_unchanged=*/!split));
+        auto mine = detail::map_tensors(
+            inputs,
+            [&args](size_t k, const at::Tensor&) {
+              return args[k];
+            },
+            /*keep_unchanged=*/!split);
+        if (by_item && split) { // each list keeps this replica's samples only
+          auto parts = mine.toTupleRef().elements().vec();
+          for (auto& part : parts) {
+            if (part.isTensorList()) {
+              std::vector<at::Tensor> own;
+              for (auto& t : part.toTensorVector()) {
+                if (t.defined()) {
+                  own.push_back(std::move(t));
+                }
+              }
+              part = c10::IValue(std::move(own));
+            }
+          }
+          mine = c10::ivalue::Tuple::create(std::move(parts));
+        }
+        return call(m, mine);
       },
-      nullptr, buffers);
+      nullptr, buffers, by_item ? &flat : nullptr);
 }
 
 at::Tensor parallel_loss(

@@ -54,6 +54,11 @@ struct DataParallelOptions {
   /// none do not run (Note [Uneven shares]); outputs and gradients stay those of one device. Not
   /// with cuda_graphs. Default: equal shares (torch.chunk's split).
   TORCH_ARG(std::optional<std::vector<double>>, shares) = std::nullopt;
+  /// Split each std::vector<at::Tensor> argument by item, as a list of samples (images of
+  /// different sizes): each device gets whole samples, its share of them, and a std::vector
+  /// output joins them back in order (Note [Lists of samples]). Without it such an argument whose
+  /// tensors cannot be one batch is refused. Not with cuda_graphs.
+  TORCH_ARG(bool, samples) = false;
 #if TORCHDP_WITH_C10D
   /// Average the gradients over the processes of this c10d group after each backward pass, as
   /// DistributedDataParallel does; the first forward takes rank 0's parameters and buffers.
@@ -245,7 +250,8 @@ class DataParallelImpl : public torch::nn::Module {
       return join(std::move(outputs), buffers);
     } else {
       return step_
-          .join(std::move(outputs), device_ids_.size(), output_device_, options.dim(), buffers)
+          .join(std::move(outputs), device_ids_.size(), output_device_, options.dim(), buffers,
+                options.samples())
           .template to<Output>();
     }
   }
@@ -395,16 +401,19 @@ class DataParallelImpl : public torch::nn::Module {
   using FlatCall =
       std::function<c10::IValue(torch::nn::AnyModule&, std::vector<at::Tensor>&, bool split)>;
   using Names = std::function<std::string(size_t)>;
-  // The checks of the options, the placement and the process group around run_here().
+  // The checks of the options, the placement and the process group around run_here(); with
+  // `items`, the inputs are split by item (Note [Lists of samples]).
   std::vector<c10::IValue> run_flat(std::vector<at::Tensor> inputs, const Names& names,
                                     const FlatCall& call, const Call* graph_call,
-                                    std::shared_ptr<BufferSnapshot>* buffers);
+                                    std::shared_ptr<BufferSnapshot>* buffers,
+                                    const detail::Items* items = nullptr);
   // The step itself: the module called directly (no devices, or one), or the step engine's
   // split, replicas and run; `originals` are the module's buffers (ensure_placement()).
   std::vector<c10::IValue> run_here(std::vector<at::Tensor> inputs, const Names& names,
                                     const FlatCall& call, const Call* graph_call,
                                     const std::vector<at::Tensor>& originals,
-                                    std::shared_ptr<BufferSnapshot>* buffers);
+                                    std::shared_ptr<BufferSnapshot>* buffers,
+                                    const detail::Items* items);
   // The forward through the graphed replicas (empty when this forward runs eagerly).
   std::vector<at::Tensor> run_graphed(const std::vector<std::vector<at::Tensor>>& chunks,
                                       const Call& call);

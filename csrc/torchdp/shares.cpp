@@ -151,5 +151,149 @@ SharedSplit scatter_shares(const std::vector<at::Tensor>& tensors,
   return out;
 }
 
+ItemSplit scatter_items(const std::vector<at::Tensor>& inputs, const std::vector<int64_t>& item_of,
+                        int64_t items, const std::vector<c10::Device>& devices,
+                        const std::optional<std::vector<double>>& shares, int64_t dim,
+                        const char* api, const std::function<std::string(size_t)>& name) {
+  TORCH_CHECK(inputs.size() == item_of.size(), api, ": ", inputs.size(), " inputs but ",
+              item_of.size(), " item indices");
+  const auto weights = shares ? *shares : std::vector<double>(devices.size(), 1.0);
+  const auto counts = share_rows(weights, items, devices.size(), api);
+  ItemSplit out;
+  int64_t begin = 0;
+  for (const auto i : c10::irange(counts.size())) {
+    if (counts[i] > 0) {
+      out.index.push_back(i);
+      out.begin.push_back(begin);
+      out.count.push_back(counts[i]);
+    }
+    begin += counts[i];
+  }
+  std::vector<at::Tensor> batch;
+  std::vector<size_t> batch_at;
+  for (const auto k : c10::irange(inputs.size())) {
+    TORCH_CHECK(inputs[k].defined(), api, ": ", name(k), " is an undefined tensor");
+    if (item_of[k] < 0) {
+      batch.push_back(inputs[k]);
+      batch_at.push_back(k);
+    } else {
+      TORCH_CHECK(item_of[k] < items, api, ": ", name(k), " is item ", item_of[k], " of ", items);
+    }
+  }
+  std::vector<std::vector<at::Tensor>> batch_parts;
+  for (const auto j : c10::irange(batch.size())) {
+    const auto& t = batch[j];
+    const auto rows = t.dim() > 0 && dim >= -t.dim() && dim < t.dim() ? t.size(dim) : -1;
+    TORCH_CHECK_VALUE(rows == items, api, ": ", name(batch_at[j]), " of shape ", t.sizes(),
+                      " is split beside lists of ", items,
+                      " samples, so it needs one row per sample along dim ", dim,
+                      "; give it those rows, or pass it inside the lists of samples");
+  }
+  if (!batch.empty() && items > 0) {
+    const std::vector<double> exact(counts.begin(), counts.end());
+    batch_parts = scatter_shares(
+                      batch, devices, exact, dim, api,
+                      [&](size_t j) {
+                        return name(batch_at[j]);
+                      },
+                      "")
+                      .parts;
+  }
+  if (out.index.empty()) { // no items: the first device with a share runs the empty lists
+    out.index.push_back(static_cast<size_t>(std::find_if(weights.begin(), weights.end(),
+                                                         [](double w) {
+                                                           return w > 0;
+                                                         }) -
+                                            weights.begin()));
+  }
+  out.begin.resize(out.index.size(), 0);
+  out.count.resize(out.index.size(), 0);
+  out.parts.resize(out.index.size());
+  for (const auto i : c10::irange(out.index.size())) {
+    const auto device = devices[out.index[i]];
+    auto& part = out.parts[i];
+    part.resize(inputs.size());
+    for (const auto j : c10::irange(batch_at.size())) {
+      part[batch_at[j]] = items > 0 ? std::move(batch_parts[i][j]) : batch[j].to(device);
+    }
+    for (const auto k : c10::irange(inputs.size())) {
+      const auto item = item_of[k];
+      if (item >= out.begin[i] && item < out.begin[i] + out.count[i]) {
+        part[k] = inputs[k].to(device);
+      }
+    }
+  }
+  return out;
+}
+
+void check_batch_lists(const std::vector<BatchList>& lists, size_t devices, int64_t dim,
+                       const char* api, const char* option) {
+  const auto n = static_cast<int64_t>(devices);
+  for (const auto& list : lists) {
+    std::vector<int64_t> sizes;
+    bool same_shape = true;
+    for (const auto& shape : list.shapes) {
+      const auto rank = static_cast<int64_t>(shape.size());
+      if (rank == 0 || dim < -rank || dim >= rank) {
+        break; // not split along dim: scatter's own errors name it
+      }
+      sizes.push_back(shape[static_cast<size_t>(dim < 0 ? dim + rank : dim)]);
+      same_shape = same_shape && shape == list.shapes.front();
+    }
+    if (sizes.size() != list.shapes.size() || sizes.empty()) {
+      continue;
+    }
+    const auto [low, high] = std::minmax_element(sizes.begin(), sizes.end());
+    const auto fix = c10::str(
+        "; a list of samples (images of different sizes, target dicts) is "
+        "split by item with ",
+        option, ", each replica getting whole samples");
+    TORCH_CHECK_VALUE(*low == *high, api, ": ", list.name, " holds tensors of different sizes ",
+                      c10::ArrayRef<int64_t>(sizes), " along dim ", dim,
+                      ", which cannot be one batch: splitting each along that dim would mix up "
+                      "their rows",
+                      fix);
+    TORCH_CHECK_VALUE(same_shape || *low >= n, api, ": ", list.name,
+                      " holds tensors of different shapes with only ", *low, " rows along dim ",
+                      dim, " for ", n,
+                      " devices: split along that dim each would be cut across (an image along "
+                      "its channels)",
+                      fix);
+  }
+}
+
 } // namespace detail
+
+std::vector<std::vector<at::Tensor>> scatter_samples(
+    const std::vector<at::Tensor>& samples, const std::vector<c10::Device>& devices,
+    const std::optional<std::vector<double>>& shares) {
+  constexpr const char* api = "torchdp::scatter_samples";
+  TORCH_CHECK(!devices.empty(), api, ": no devices given; pass the devices to split over");
+  std::vector<int64_t> item_of(samples.size());
+  std::iota(item_of.begin(), item_of.end(), 0);
+  auto split = detail::scatter_items(samples, item_of, static_cast<int64_t>(samples.size()),
+                                     devices, shares, 0, api, [](size_t k) {
+                                       return c10::str("sample ", k);
+                                     });
+  std::vector<std::vector<at::Tensor>> out(devices.size());
+  for (const auto i : c10::irange(split.index.size())) {
+    auto& mine = out[split.index[i]];
+    for (const auto k : c10::irange(split.count[i])) {
+      mine.push_back(std::move(split.parts[i][static_cast<size_t>(split.begin[i] + k)]));
+    }
+  }
+  return out;
+}
+
+std::vector<at::Tensor> gather_samples(const std::vector<std::vector<at::Tensor>>& outputs,
+                                       c10::Device destination) {
+  std::vector<at::Tensor> out;
+  for (const auto& replica : outputs) {
+    for (const auto& t : replica) {
+      out.push_back(t.defined() ? t.to(destination) : t);
+    }
+  }
+  return out;
+}
+
 } // namespace torchdp

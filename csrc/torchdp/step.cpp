@@ -148,6 +148,19 @@ Split Step::split(const std::vector<at::Tensor>& inputs, const std::vector<c10::
   return out;
 }
 
+Split Step::split_items(const std::vector<at::Tensor>& inputs, const Items& items,
+                        const std::vector<c10::Device>& devices, int64_t dim, const Names& names,
+                        const std::optional<std::vector<double>>& shares) const {
+  check_forward_context(api_);
+  auto split = scatter_items(inputs, items.item_of, items.items, devices, shares, dim, api_, names);
+  Split out;
+  for (const auto i : split.index) {
+    out.used.push_back(devices[i]);
+  }
+  out.parts = std::move(split.parts);
+  return out;
+}
+
 void Step::run(const std::vector<c10::Device>& used, const std::vector<at::Tensor>& originals,
                const std::optional<double>& bucket_cap_mb, std::shared_ptr<BufferSnapshot>* keep,
                const std::function<void()>& replicate,
@@ -180,13 +193,22 @@ void Step::run(const std::vector<c10::Device>& used, const std::vector<at::Tenso
 
 c10::IValue Step::join(std::vector<c10::IValue> outputs, size_t devices,
                        std::optional<c10::Device> output_device, int64_t dim,
-                       const std::shared_ptr<BufferSnapshot>& kept) const {
+                       const std::shared_ptr<BufferSnapshot>& kept, bool samples) const {
   const ValueNames names{"the output", false};
   if (devices == 0) { // passthrough: where the module put it
     return std::move(outputs.front());
   }
   if (devices == 1) {
     return to_device(outputs.front(), *output_device, api_, names);
+  }
+  if (samples && outputs.front().isTensorList()) { // one list of the replicas' samples
+    return gather(kept, [&] {
+      std::vector<std::vector<at::Tensor>> lists;
+      for (const auto& o : outputs) {
+        lists.push_back(o.toTensorVector());
+      }
+      return c10::IValue(gather_samples(lists, *output_device));
+    });
   }
   return gather(kept, [&] {
     return gather_value(outputs, *output_device, dim, api_, names);

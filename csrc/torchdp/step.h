@@ -54,6 +54,13 @@ struct Split {
   std::vector<std::vector<at::Tensor>> parts;
 };
 
+/// Which inputs are samples (Note [Lists of samples]): inputs[k] is item item_of[k] of lists of
+/// `items` samples, or a tensor of the batch where item_of[k] < 0.
+struct Items {
+  std::vector<int64_t> item_of;
+  int64_t items = 0;
+};
+
 /// The engine of one front end (Note [The step engine]); it keeps the buffer copy between steps.
 class Step {
  public:
@@ -72,6 +79,13 @@ class Step {
               int64_t dim, const Names& names,
               const std::optional<std::vector<double>>& shares = std::nullopt) const;
 
+  /// The forward-context check and the inputs split by item over `devices` (two or more), by
+  /// `shares` when given; only devices with items run. Replica i's part holds undefined tensors
+  /// for the other replicas' items.
+  Split split_items(const std::vector<at::Tensor>& inputs, const Items& items,
+                    const std::vector<c10::Device>& devices, int64_t dim, const Names& names,
+                    const std::optional<std::vector<double>>& shares) const;
+
   /// `replicate()`, then `run_replica(i)` for each device of `used` in parallel, with gradient
   /// buckets of `bucket_cap_mb`, as the enclosing forward (Note [Nested forwards]) of a copy of
   /// `originals` (the module's buffers) that is written back when they throw. The copy goes to
@@ -81,10 +95,11 @@ class Step {
            const std::function<void()>& replicate, const std::function<void(size_t)>& run_replica);
 
   /// The end of a step of c10::IValue outputs, one per replica run over `devices` devices: the
-  /// module's own output without devices, moved to `output_device` on one, else gathered there.
+  /// module's own output without devices, moved to `output_device` on one, else gathered there;
+  /// with `samples`, lists of tensors are joined item by item (Note [Lists of samples]).
   c10::IValue join(std::vector<c10::IValue> outputs, size_t devices,
                    std::optional<c10::Device> output_device, int64_t dim,
-                   const std::shared_ptr<BufferSnapshot>& kept) const;
+                   const std::shared_ptr<BufferSnapshot>& kept, bool samples = false) const;
 
   /// The gather that ends the step: returns `gather()` and releases `kept` (run()'s `keep`),
   /// writing the buffers back first when `gather` throws.

@@ -70,6 +70,33 @@ def scatter_shares(
     api: str,
 ) -> tuple[list[int], list[list[Tensor]]]: ...
 
+# Split by item (Note [Lists of samples]): (index, begin, count, per_replica), replica i on
+# devices[index[i]] with items begin[i]:begin[i] + count[i], None for other replicas' items.
+def scatter_items(
+    tensors: Sequence[Tensor],
+    item_of: Sequence[int],
+    items: int,
+    devices: Sequence[torch.device],
+    shares: Sequence[float] | None,
+    dim: int,
+    api: str,
+    names: Sequence[str],
+) -> tuple[list[int], list[int], list[int], list[list[Tensor | None]]]: ...
+
+# ValueError for a list of tensors, given as (name, shapes), that cannot be one batch.
+def check_batch_lists(
+    lists: Sequence[tuple[str, Sequence[Sequence[int]]]],
+    devices: int,
+    dim: int,
+    api: str,
+    option: str,
+) -> None: ...
+
+# The replicas' per-sample tensors in one list on destination, in order.
+def gather_samples(
+    outputs: Sequence[Sequence[Tensor]], destination: torch.device
+) -> list[Tensor]: ...
+
 # gather() of each group (one tensor per replica), differentiably, padded as gather().
 def gather_leaves(
     groups: Sequence[Sequence[Tensor]],

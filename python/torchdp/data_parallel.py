@@ -21,7 +21,7 @@ from torch._utils import (
     _get_device_index,
 )
 
-from torchdp import _C, _compile, _methods, _tree
+from torchdp import _C, _compile, _methods, _samples, _tree
 from torchdp._attributes import check_stale_attribute_policy
 from torchdp._devices import (
     DeviceLike,
@@ -343,6 +343,15 @@ class DataParallel(_TorchDataParallel[T]):
             that get no rows do not run. The gathered output, a loss of it and the gradients are
             those of the whole batch on one device. Not with ``cuda_graphs``. Default: ``None``
             (equal shares, ``torch.chunk``'s split).
+        samples (bool or sequence of int and str, keyword-only): split lists of samples by item,
+            for models that take a list of images of different sizes and a list of target dicts
+            (torchvision's detection models): ``True`` for every list or tuple argument, or the
+            positions and keyword names of those arguments. Each device gets whole samples, its
+            share of them (:attr:`shares`, else equal), and list outputs (one detection dict per
+            image) are joined into one list in order; other tensors are split by the same counts.
+            Without it, a list whose tensors cannot be one batch (different sizes along
+            :attr:`dim`, or different shapes with fewer rows than devices) raises a
+            ``ValueError`` naming it. Not with ``cuda_graphs``. Default: ``False``.
 
     Attributes:
         module (Module): the module to be parallelized.
@@ -364,6 +373,7 @@ class DataParallel(_TorchDataParallel[T]):
     cache_replicas: bool = True
     broadcast_buffers: bool = True
     shares: list[float] | None = None
+    samples: bool | tuple[int | str, ...] = False
     require_backward_grad_sync: bool = True
     _place_module: bool = False
     _placed: bool = False
@@ -386,6 +396,7 @@ class DataParallel(_TorchDataParallel[T]):
         process_group: Any = None,
         broadcast_buffers: bool = True,
         shares: Sequence[float] | None = None,
+        samples: bool | Sequence[int | str] = False,
     ) -> None:
         """Wraps :attr:`module`; the arguments are described in the class docstring."""
         # Not torch.nn.DataParallel.__init__: the base class is there for isinstance checks.
@@ -404,6 +415,12 @@ class DataParallel(_TorchDataParallel[T]):
             raise ValueError(
                 f"{_API}: shares and cuda_graphs cannot be combined (a graph is captured for "
                 "one split of the batch); turn cuda_graphs off or leave shares unset"
+            )
+        self.samples = _samples.check_option(samples, _API)
+        if self.samples and self.cuda_graphs:
+            raise ValueError(
+                f"{_API}: samples and cuda_graphs cannot be combined (a graph is captured for one "
+                "split of a batch tensor); turn cuda_graphs off or leave samples unset"
             )
         self.cache_replicas = bool(cache_replicas)
         self.broadcast_buffers = bool(broadcast_buffers)
@@ -550,7 +567,7 @@ class DataParallel(_TorchDataParallel[T]):
                 kwargs,
                 chunks,
                 chunk_kwargs,
-                n if self.shares is None else 0,
+                n if self.shares is None and not self.samples else 0,
                 self.dim,
                 _API,
             )
@@ -706,7 +723,13 @@ class DataParallel(_TorchDataParallel[T]):
         device_ids: Sequence[int | torch.device],
     ) -> Any:
         """Splits positional and keyword arguments across :attr:`device_ids` along ``dim``, by
-        :attr:`shares` when set."""
+        :attr:`shares` when set; lists of samples by item with :attr:`samples`."""
+        if self.samples:
+            return scatter_kwargs(
+                inputs, kwargs, device_ids, self.dim, shares=self.shares, samples=self.samples
+            )
+        if len(device_ids) > 1:
+            _samples.check_batch_lists(inputs, kwargs, len(device_ids), self.dim, _API)
         if self.shares is None:
             return scatter_kwargs(inputs, kwargs, device_ids, dim=self.dim)
         return scatter_kwargs(inputs, kwargs, device_ids, dim=self.dim, shares=self.shares)
@@ -726,7 +749,10 @@ class DataParallel(_TorchDataParallel[T]):
     def gather(self, outputs: Any, output_device: int | torch.device) -> Any:
         """Concatenates the replicas' outputs on :attr:`output_device` along ``dim`` (padded with
         the ``pad_value`` of a :meth:`parallel_method` call)."""
-        return gather(outputs, output_device, dim=self.dim, pad_value=_methods.PAD_VALUE.get())
+        pad_value = _methods.PAD_VALUE.get()
+        if not self.samples:
+            return gather(outputs, output_device, dim=self.dim, pad_value=pad_value)
+        return gather(outputs, output_device, dim=self.dim, pad_value=pad_value, samples=True)
 
 
 # Input signatures of a compiled module whose first call runs the replicas in order (dynamo's
@@ -787,6 +813,7 @@ def data_parallel(
     stale_attributes: str | None = None,
     cache_replicas: bool = True,
     shares: Sequence[float] | None = None,
+    samples: bool | Sequence[int | str] = False,
 ) -> Any:
     r"""Evaluates ``module(*inputs, **module_kwargs)`` in parallel across devices: the functional
     form of :class:`DataParallel`, a drop-in for :func:`torch.nn.parallel.data_parallel`.
@@ -811,6 +838,8 @@ def data_parallel(
             calls, as :class:`DataParallel` does. Default: ``True``.
         shares (sequence of float, keyword-only): each device's share of the batch, as in
             :class:`DataParallel`. Default: ``None`` (equal shares).
+        samples (bool or sequence of int and str, keyword-only): lists of samples split by
+            item, as in :class:`DataParallel`. Default: ``False``.
 
     Returns:
         The gathered output of the module, on :attr:`output_device`.
@@ -842,10 +871,13 @@ def data_parallel(
         raise _device_error(src_device, found, wrapper=False)
 
     checked = _check_shares(shares, len(used_ids), api)
+    samples = _samples.check_option(samples, api)
     if len(used_ids) > 1:
         _C.check_forward_context(api)
+        if not samples:
+            _samples.check_batch_lists(inputs, module_kwargs, len(used_ids), dim, api)
     chunks, chunk_kwargs = _nonempty(
-        *scatter_kwargs(inputs, module_kwargs, used_ids, dim, shares=checked)
+        *scatter_kwargs(inputs, module_kwargs, used_ids, dim, shares=checked, samples=samples)
     )
     if len(used_ids) == 1:
         return module(*chunks[0], **chunk_kwargs[0])
@@ -854,7 +886,7 @@ def data_parallel(
         module_kwargs,
         chunks,
         chunk_kwargs,
-        len(used_ids) if checked is None else 0,
+        len(used_ids) if checked is None and not samples else 0,
         dim,
         api,
     )
@@ -875,6 +907,6 @@ def data_parallel(
         module,
         replicate_fn,
         lambda replicas: parallel_apply(replicas, chunks, chunk_kwargs, used, serial=serial),
-        lambda outputs: gather(outputs, target, dim),
+        lambda outputs: gather(outputs, target, dim, samples=bool(samples)),
         lambda: cache,
     )

@@ -13,7 +13,7 @@ from typing import Any, TypeVar, overload
 import torch
 from torch.utils import _pytree
 
-from torchdp import _C, _tree
+from torchdp import _C, _samples, _tree
 from torchdp._devices import DeviceLike, _check_dim, _check_shares, _to_device, _to_devices
 
 __all__ = ["gather", "scatter", "scatter_kwargs", "share_rows"]
@@ -157,6 +157,7 @@ def scatter_kwargs(
     dim: int = 0,
     *,
     shares: Sequence[float] | None = None,
+    samples: bool | Sequence[int | str] = False,
 ) -> tuple[tuple[Any, ...], tuple[dict[str, Any], ...]]:
     r"""Scatters positional and keyword arguments, as :func:`torch.nn.parallel.scatter_kwargs`.
 
@@ -172,6 +173,12 @@ def scatter_kwargs(
         shares (sequence of float, keyword-only, optional): each device's share of the batch,
             as in :func:`scatter`; the positional and keyword arguments are split together, by
             the same rows. Default: ``None``.
+        samples (bool or sequence of int and str, keyword-only): arguments that are lists of
+            samples, split by item instead of along :attr:`dim` (images of different sizes, target
+            dicts): ``True`` for every list or tuple argument, or their positions and keyword
+            names. Each device gets whole samples, its share of them (equal unless
+            :attr:`shares`), their tensors moved to it; the other tensors are split by the same
+            counts (one row per sample); devices without samples get no chunk. Default: ``False``.
 
     Returns:
         ``(inputs_per_chunk, kwargs_per_chunk)``, two tuples.
@@ -182,6 +189,14 @@ def scatter_kwargs(
         >>> len(args), kws[1]["scale"]
         (2, 2.0)
     """
+    api = "torchdp.scatter_kwargs"
+    samples = _samples.check_option(samples, api)
+    keys = _samples.sample_keys(inputs, kwargs or {}, samples, api) if samples else []
+    if keys:  # Note [Lists of samples]
+        devices = _to_devices(target_gpus, _SCATTER)
+        checked = _check_shares(shares, len(devices), api)
+        dim = _check_dim(dim, _SCATTER)
+        return _samples.scatter(inputs, kwargs or {}, keys, devices, checked, dim, api)
     if shares is not None and (inputs or kwargs):  # one split of both: the same rows
         devices = _to_devices(target_gpus, _SCATTER)
         checked = _check_shares(shares, len(devices), "torchdp.scatter_kwargs")
@@ -481,7 +496,14 @@ def _constant(outputs: Sequence[Any]) -> Any:
     )
 
 
-def gather(outputs: Any, target_device: DeviceLike, dim: int = 0, *, pad_value: Any = None) -> Any:
+def gather(
+    outputs: Any,
+    target_device: DeviceLike,
+    dim: int = 0,
+    *,
+    pad_value: Any = None,
+    samples: bool = False,
+) -> Any:
     r"""Gathers per-device outputs onto one device, as :func:`torch.nn.parallel.gather`.
 
     Tensors are concatenated along :attr:`dim` (differentiably); 0-dim tensors along dim 0
@@ -497,6 +519,10 @@ def gather(outputs: Any, target_device: DeviceLike, dim: int = 0, *, pad_value: 
             (sequences generated to different lengths) are padded at its end with this value to
             the largest size; padded positions get no gradient. Without it (the default, as
             PyTorch) such tensors raise a ``RuntimeError``.
+        samples (bool, keyword-only): outputs that are lists are lists of per-sample outputs
+            (one detection dict per image, the replicas' samples in order): joined into one list,
+            its tensors moved to :attr:`target_device`. Other outputs gather as usual.
+            Default: ``False``.
 
     Returns:
         The gathered structure.
@@ -514,6 +540,8 @@ def gather(outputs: Any, target_device: DeviceLike, dim: int = 0, *, pad_value: 
         )
     dim = _check_dim(dim, "torchdp.gather")
     pad_value = _check_pad_value(pad_value, "torchdp.gather")
+    if samples and all(isinstance(o, list) for o in outputs):  # Note [Lists of samples]
+        return _samples.gather(outputs, target.device)
     if all(isinstance(o, torch.Tensor) for o in outputs):  # the common case, with no walk
         target.used = True
         result = _C.gather(list(outputs), target.device, dim, True, pad_value)

@@ -119,3 +119,94 @@ TEST_CASE("data_parallel with shares, and shares errors", "[cpu][shares][data_pa
   CHECK(torch::equal(two->fc->weight, weight));
   CHECK(!two->fc->weight.grad().defined());
 }
+
+namespace {
+
+// A detection-like module (Note [Lists of samples]): one output per image, of the image's size,
+// and a scale per image from a batch tensor beside the list.
+struct PerImageImpl : torch::nn::Cloneable<PerImageImpl> {
+  PerImageImpl() {
+    reset();
+  }
+  void reset() override {
+    conv = register_module("conv", torch::nn::Conv2d(3, 2, 3));
+  }
+  std::vector<at::Tensor> forward(std::vector<at::Tensor> images, at::Tensor scale) {
+    std::vector<at::Tensor> out;
+    for (const auto i : c10::irange(images.size())) {
+      out.push_back(conv(images[i].unsqueeze(0))[0] * scale[static_cast<int64_t>(i)]);
+    }
+    return out;
+  }
+  torch::nn::Conv2d conv{nullptr};
+};
+TORCH_MODULE(PerImage);
+
+std::vector<at::Tensor> images_of(size_t n) {
+  std::vector<at::Tensor> images;
+  for (const auto i : c10::irange(n)) {
+    images.push_back(torch::randn({3, 6 + static_cast<int64_t>(i), 9 - static_cast<int64_t>(i)}));
+  }
+  return images;
+}
+
+} // namespace
+
+TEST_CASE("scatter_samples gives each device whole samples, gather_samples joins them",
+          "[cpu][samples]") {
+  const auto images = images_of(5);
+  auto parts = torchdp::scatter_samples(images, cpu_devices(2));
+  REQUIRE(parts.size() == 2);
+  CHECK(parts[0].size() == 3);
+  CHECK(parts[1].size() == 2);
+  CHECK(parts[1][0].sizes() == images[3].sizes());
+  auto shared = torchdp::scatter_samples(images, cpu_devices(3), std::vector<double>{0, 1, 4});
+  CHECK(shared[0].empty());
+  CHECK(shared[1].size() == 1);
+  CHECK(shared[2].size() == 4);
+  const auto joined = torchdp::gather_samples(parts, c10::Device(c10::kCPU));
+  REQUIRE(joined.size() == 5);
+  for (const auto i : c10::irange(5)) {
+    CHECK(joined[i].equal(images[i]));
+  }
+}
+
+TEST_CASE("DataParallel with samples splits vector arguments by item", "[cpu][samples]") {
+  torch::manual_seed(4);
+  PerImage net;
+  PerImage reference;
+  copy_state(*reference, *net);
+  const auto devices = GENERATE(size_t{2}, size_t{4});
+  torchdp::DataParallel dp(
+      net, torchdp::DataParallelOptions().device_ids(cpu_devices(devices)).samples(true));
+  const auto images = images_of(3);
+  const auto scale = torch::tensor({1.0, 2.0, 3.0});
+  auto out = dp->forward<std::vector<at::Tensor>>(images, scale);
+  auto ref = reference->forward(images, scale);
+  REQUIRE(out.size() == ref.size());
+  at::Tensor loss = torch::zeros({});
+  at::Tensor ref_loss = torch::zeros({});
+  for (const auto i : c10::irange(ref.size())) {
+    CHECK(torch::allclose(out[i], ref[i], 1e-5, 1e-6));
+    loss = loss + out[i].square().sum();
+    ref_loss = ref_loss + ref[i].square().sum();
+  }
+  loss.backward();
+  ref_loss.backward();
+  CHECK(torch::allclose(net->conv->weight.grad(), reference->conv->weight.grad(), 1e-4, 1e-5));
+
+  TORCHDP_CHECK_THROWS_WITH(dp->forward<std::vector<at::Tensor>>(images, torch::ones({2})),
+                            "forward argument 1", "needs one row per sample along dim 0");
+}
+
+TEST_CASE("DataParallel refuses a vector that cannot be one batch without samples",
+          "[cpu][samples]") {
+  PerImage net;
+  torchdp::DataParallel dp(net, torchdp::DataParallelOptions().device_ids(cpu_devices(4)));
+  TORCHDP_CHECK_THROWS_WITH(dp->forward<std::vector<at::Tensor>>(images_of(3), torch::ones({3})),
+                            "forward argument 0 holds tensors of different shapes with only 3 rows",
+                            "DataParallelOptions().samples(true)");
+  std::vector<at::Tensor> rows{torch::randn({4, 3, 5, 5}), torch::randn({2, 3, 5, 5})};
+  TORCHDP_CHECK_THROWS_WITH(dp->forward<std::vector<at::Tensor>>(rows, torch::ones({4})),
+                            "holds tensors of different sizes [4, 2] along dim 0");
+}
