@@ -3,6 +3,7 @@
 #include <torchdp/devices.h>
 #include <torchdp/errors.h>
 #include <torchdp/shares.h>
+#include <torchdp/structure.h>
 
 #include <c10/util/ArrayRef.h>
 #include <c10/util/Exception.h>
@@ -87,14 +88,7 @@ SharedSplit scatter_shares(const std::vector<at::Tensor>& tensors,
   std::optional<size_t> batch; // the tensor whose rows are the batch
   for (const auto k : c10::irange(tensors.size())) {
     const auto& t = tensors[k];
-    TORCH_CHECK(t.defined(), api, ": ", name(k), " is an undefined tensor");
-    TORCH_CHECK(t.dim() > 0, api, ": ", name(k),
-                " is a 0-dim tensor, which cannot be split along dim ", dim,
-                "; give it a batch dimension");
-    TORCH_CHECK_INDEX(dim >= -t.dim() && dim < t.dim(), api, ": dim ", dim, dim_note,
-                      " is out of range for ", name(k), " of shape ", t.sizes(),
-                      "; it must be in [", -t.dim(), ", ", t.dim() - 1,
-                      "], the dimension the batch is split along");
+    check_splittable(t, name(k), dim, api, dim_note);
     sizes[k] = t.size(dim);
     if (!batch && sizes[k] != n) {
       batch = k;

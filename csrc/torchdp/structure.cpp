@@ -165,6 +165,16 @@ struct Zipper {
 
 } // namespace
 
+void check_splittable(const at::Tensor& t, const std::string& name, int64_t dim, const char* api,
+                      const char* dim_note) {
+  TORCH_CHECK(t.defined(), api, ": ", name, " is an undefined tensor");
+  TORCH_CHECK(t.dim() > 0, api, ": ", name, " is a 0-dim tensor, which cannot be split along dim ",
+              dim, "; give it a batch dimension");
+  TORCH_CHECK_INDEX(dim >= -t.dim() && dim < t.dim(), api, ": dim ", dim, dim_note,
+                    " is out of range for ", name, " of shape ", t.sizes(), "; it must be in [",
+                    -t.dim(), ", ", t.dim() - 1, "], the dimension the batch is split along");
+}
+
 std::vector<std::vector<at::Tensor>> scatter_tensors(const std::vector<at::Tensor>& tensors,
                                                      const std::vector<c10::Device>& devices,
                                                      int64_t dim, const char* api,
@@ -173,14 +183,7 @@ std::vector<std::vector<at::Tensor>> scatter_tensors(const std::vector<at::Tenso
   std::vector<std::vector<at::Tensor>> chunks(tensors.size());
   for (const auto k : c10::irange(tensors.size())) {
     const auto& t = tensors[k];
-    TORCH_CHECK(t.defined(), api, ": ", name(k), " is an undefined tensor");
-    TORCH_CHECK(t.dim() > 0, api, ": ", name(k),
-                " is a 0-dim tensor, which cannot be split along dim ", dim,
-                "; give it a batch dimension");
-    TORCH_CHECK_INDEX(dim >= -t.dim() && dim < t.dim(), api, ": dim ", dim, dim_note,
-                      " is out of range for ", name(k), " of shape ", t.sizes(),
-                      "; it must be in [", -t.dim(), ", ", t.dim() - 1,
-                      "], the dimension the batch is split along");
+    check_splittable(t, name(k), dim, api, dim_note);
     try {
       chunks[k] = autograd::scatter(t, devices, std::nullopt, dim);
     } catch (...) {

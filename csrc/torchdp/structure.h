@@ -138,6 +138,11 @@ std::vector<std::vector<at::Tensor>> scatter_tensors(const std::vector<at::Tenso
                                                      const std::function<std::string(size_t)>& name,
                                                      const char* dim_note = "");
 
+/// Refuses a tensor that cannot be split along `dim` (undefined, 0-dim, dim out of range),
+/// naming `api` and the tensor as `name`, the dim followed by `dim_note`.
+void check_splittable(const at::Tensor& t, const std::string& name, int64_t dim, const char* api,
+                      const char* dim_note = "");
+
 /// scatter() naming `api` and the values as `names` say in its errors.
 std::vector<c10::IValue> scatter_value(const c10::IValue& input,
                                        const std::vector<c10::Device>& devices, int64_t dim,
