@@ -316,35 +316,37 @@ std::vector<c10::IValue> DataParallelImpl::run_structured(
                     ": cuda_graphs replays forwards of tensor arguments that return one tensor; "
                     "this forward takes or returns other types. Turn cuda_graphs off, or give the "
                     "module a forward over tensors");
-  // Note [Lists of samples]: the std::vector<at::Tensor> arguments are lists of samples.
+  // Note [Lists of samples]: the std::vector<at::Tensor> arguments are lists of samples, split
+  // by item with samples on; otherwise checked to be batches where there is a split.
   const auto& arguments = inputs.toTupleRef().elements();
   detail::Items flat{{}, -1};
-  std::vector<detail::BatchList> lists;
-  for (const auto a : c10::irange(arguments.size())) {
-    if (!arguments[a].isTensorList()) {
-      flat.item_of.insert(flat.item_of.end(), detail::tensors_of(arguments[a]).size(), -1);
-      continue;
-    }
-    const auto list = arguments[a].toTensorVector();
-    if (options.samples()) {
-      const auto length = static_cast<int64_t>(list.size());
+  if (options.samples()) {
+    for (const auto a : c10::irange(arguments.size())) {
+      if (!arguments[a].isTensorList()) {
+        flat.item_of.insert(flat.item_of.end(), detail::tensors_of(arguments[a]).size(), -1);
+        continue;
+      }
+      const auto length = static_cast<int64_t>(arguments[a].toTensorList().size());
       TORCH_CHECK_VALUE(flat.items < 0 || flat.items == length, kApi,
                         ": the lists of samples have different lengths: ", flat.items,
                         " samples in an earlier argument but forward argument ", a, " has ", length,
                         "; give every list one entry per sample");
       flat.items = length;
-      for (const auto k : c10::irange(list.size())) {
-        flat.item_of.push_back(static_cast<int64_t>(k));
+      for (const auto k : c10::irange(length)) {
+        flat.item_of.push_back(k);
       }
-    } else {
-      detail::BatchList described{c10::str("forward argument ", a), {}};
-      for (const auto& t : list) {
-        described.shapes.push_back(t.sizes().vec());
-      }
-      lists.push_back(std::move(described));
     }
-  }
-  if (device_ids_.size() > 1) {
+  } else if (device_ids_.size() > 1) {
+    std::vector<detail::BatchList> lists;
+    for (const auto a : c10::irange(arguments.size())) {
+      if (arguments[a].isTensorList()) {
+        detail::BatchList described{c10::str("forward argument ", a), {}};
+        for (const auto& t : arguments[a].toTensorVector()) {
+          described.shapes.push_back(t.sizes().vec());
+        }
+        lists.push_back(std::move(described));
+      }
+    }
     detail::check_batch_lists(lists, device_ids_.size(), options.dim(), kApi,
                               "DataParallelOptions().samples(true)");
   }

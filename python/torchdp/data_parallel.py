@@ -749,10 +749,13 @@ class DataParallel(_TorchDataParallel[T]):
     def gather(self, outputs: Any, output_device: int | torch.device) -> Any:
         """Concatenates the replicas' outputs on :attr:`output_device` along ``dim`` (padded with
         the ``pad_value`` of a :meth:`parallel_method` call)."""
-        pad_value = _methods.PAD_VALUE.get()
-        if not self.samples:
-            return gather(outputs, output_device, dim=self.dim, pad_value=pad_value)
-        return gather(outputs, output_device, dim=self.dim, pad_value=pad_value, samples=True)
+        return gather(
+            outputs,
+            output_device,
+            dim=self.dim,
+            pad_value=_methods.PAD_VALUE.get(),
+            samples=bool(self.samples),
+        )
 
 
 # Input signatures of a compiled module whose first call runs the replicas in order (dynamo's
