@@ -26,11 +26,15 @@ replica: ``torchdp_balanced`` (``gather_output=False`` with ``DataParallelCriter
 ``torch_dp_balanced`` (model and loss in one module, each replica returning its loss).
 ``--shares 1,2`` gives the torchdp modes uneven shares of the batch (``DataParallel(shares=)``,
 recorded as ``shares``), a smaller first share for a smaller GPU 0 peak; ``--device-ids 0,0`` runs
-the data-parallel modes on those GPUs (a GPU may repeat: two replicas on one GPU).
+the data-parallel modes on those GPUs (a GPU may repeat: two replicas on one GPU; ``cpu`` puts a
+replica on the CPU, so ``0,cpu`` shows GPU 0's own peak with one GPU; nn.DataParallel takes no CPU
+replica, so name the torchdp modes).
 
     python benchmarks/bench_train_step.py --out results/train_step.json         # 2 H200: ~1.5 min
     python benchmarks/bench_train_step.py --memory --out results/memory.json    # 2 H200: ~1 min
     python benchmarks/bench_train_step.py --memory --device-ids 0,0 --shares 1,2 --out /tmp/m.json
+    python benchmarks/bench_train_step.py --memory --device-ids 0,cpu --shares 1,3 \
+        --modes single,torchdp,torchdp_balanced --out /tmp/m.json              # 1 GPU
     python benchmarks/bench_train_step.py --smoke --out /tmp/ts.json            # CPU, < 60 s
     python benchmarks/bench_train_step.py --modes single,single_compiled,torchdp,torchdp_compiled,\
         torchdp_compiled_inside --device-ids 0,0 --out results/compiled.json   # eager vs compiled
@@ -303,15 +307,21 @@ def run_processes(jobs: list[dict], world: int, run: common.RunSettings) -> list
     return [outs.get(i, {"error": f"no result from the ranks ({why})"}) for i in range(len(jobs))]
 
 
-def device_ids_and_shares(args: Any) -> tuple[list[int] | None, list[float] | None]:
-    """--device-ids and --shares as lists (None when not given); exits on bad values."""
+def device_ids_and_shares(args: Any) -> tuple[list[torch.device] | None, list[float] | None]:
+    """--device-ids as devices and --shares as numbers (None when not given); exits on bad
+    values. A ``cpu`` entry puts that replica on the CPU (``0,cpu``: GPU 0's peak with one GPU)."""
     try:
-        ids = [int(x) for x in args.device_ids.split(",")] if args.device_ids else None
+        ids = None
+        if args.device_ids:
+            ids = [
+                torch.device("cpu") if x.strip() == "cpu" else torch.device("cuda", int(x))
+                for x in args.device_ids.split(",")
+            ]
         shares = [float(x) for x in args.shares.split(",")] if args.shares else None
     except ValueError:
-        sys.exit("--device-ids and --shares take comma-separated numbers, e.g. 0,0 and 1,2")
+        sys.exit("--device-ids and --shares take comma lists, e.g. 0,0 (or 0,cpu) and 1,2")
     if ids is not None and (len(ids) < 2 or args.gpus):
-        sys.exit("--device-ids needs two or more GPUs (e.g. 0,0) and replaces --gpus")
+        sys.exit("--device-ids needs two or more devices (e.g. 0,0) and replaces --gpus")
     return ids, shares
 
 
@@ -322,7 +332,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtypes", default=None, help="comma list of fp32,bf16")
     parser.add_argument("--modes", default=None, help="comma list of the modes above")
     parser.add_argument("--shares", default=None, help="torchdp's shares per device, e.g. 1,2")
-    parser.add_argument("--device-ids", default=None, help="GPUs of the parallel modes, e.g. 0,0")
+    parser.add_argument(
+        "--device-ids", default=None, help="devices of the parallel modes, e.g. 0,0 or 0,cpu"
+    )
     args = parser.parse_args(argv)
     ids, shares = device_ids_and_shares(args)
     memory = args.memory
@@ -426,7 +438,8 @@ def main(argv: list[str] | None = None) -> int:
                         continue
                     devices = [run.dev0] * g if mode == "single_shard" else run.devices(g)
                     if ids is not None and not run.smoke and mode not in ONE_GPU_MODES:
-                        devices = [torch.device("cuda", i) for i in ids]
+                        devices = ids
+                        rec["devices"] = [str(d) for d in ids]
                     sharing = shares if mode.startswith("torchdp") and g > 1 else None
                     if sharing:
                         rec["shares"] = sharing
