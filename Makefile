@@ -132,6 +132,8 @@ test: lint test-cpp consumer test-python
 # check, ruff format --check and clang-format over the tracked Python and C++ files; the pinned
 # tools are installed into $(PYTHON) first when missing. `make format` applies both formatters.
 RUFF_VERSION := 0.17.6
+# make lint also fails on a tracked file (the benchmark results aside) longer than this: split it.
+MAX_FILE_LINES := 800
 CLANG_FORMAT_VERSION := 23.1.5
 CXX_SOURCES = $(shell git ls-files '*.h' '*.cpp' '*.cu' 2>/dev/null)
 CLANG_FORMAT = $$($(PYTHON) -c "import clang_format as c, os; \
@@ -149,6 +151,10 @@ lint: lint-tools
 	@[ -n "$(CXX_SOURCES)" ] || { echo "make lint: no git checkout: nothing for clang-format"; exit 1; }
 	@$(CLANG_FORMAT) --dry-run --Werror $(CXX_SOURCES) && \
 	  echo "== clang-format: $(words $(CXX_SOURCES)) C++ files formatted"
+	@long=$$(git ls-files | grep -v '^benchmarks/results/' | xargs wc -l 2>/dev/null | \
+	  awk '$$2 != "total" && $$1 > $(MAX_FILE_LINES) {print $$2 " (" $$1 " lines)"}'); \
+	  [ -z "$$long" ] || { echo "make lint: files over $(MAX_FILE_LINES) lines, split them:"; \
+	  echo "$$long"; exit 1; }
 
 format: lint-tools
 	$(PYTHON) -m ruff check --no-cache --fix .

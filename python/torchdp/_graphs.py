@@ -26,6 +26,24 @@ _CONSTANT_TYPES = (type(None), torch.Size, *CONSTANTS)
 _TENSOR = object()  # a tensor's place among the leaves
 
 
+def check_cuda_graphs(cuda_graphs: Any, api: str) -> int:
+    """0 (off) or the number of input signatures to capture (True: MAX_SIGNATURES)."""
+    if cuda_graphs is True:
+        return MAX_SIGNATURES
+    if (
+        cuda_graphs is False
+        or cuda_graphs is None
+        or (type(cuda_graphs) is int and cuda_graphs == 0)
+    ):
+        return 0
+    if isinstance(cuda_graphs, int) and cuda_graphs > 0:
+        return cuda_graphs
+    raise ValueError(
+        f"{api}: cuda_graphs must be True, False or a positive number of input "
+        f"signatures to capture, got {cuda_graphs!r}"
+    )
+
+
 def _install(module: nn.Module, copy: nn.Module, tensors: dict[int, torch.Tensor], j: int) -> None:
     """Makes ``copy`` (replica j) hold ``tensors[id(t)]`` wherever ``module`` holds its tensor
     ``t``, registered or aliased in plain attributes, so no alias keeps a tensor the graphs miss."""

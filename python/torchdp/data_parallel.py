@@ -7,7 +7,6 @@ import contextlib
 import functools
 import importlib
 import operator
-import sys
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -21,7 +20,7 @@ from torch._utils import (
     _get_device_index,
 )
 
-from torchdp import _C, _compile, _methods, _samples, _tree
+from torchdp import _C, _compile, _methods, _samples, _step
 from torchdp._attributes import check_stale_attribute_policy
 from torchdp._devices import (
     DeviceLike,
@@ -32,17 +31,10 @@ from torchdp._devices import (
     _device_error,
     _resolve_explicit,
 )
-from torchdp._graphs import MAX_SIGNATURES, GraphedReplicas
+from torchdp._graphs import GraphedReplicas, check_cuda_graphs
 from torchdp._process_group import ProcessGroupSync, check_process_group
-from torchdp.parallel_apply import get_a_var, parallel_apply, record_function
-from torchdp.replicate import (
-    _bucket_bytes,
-    _buffer_snapshot,
-    _check_module,
-    _expect_buffer_snapshot,
-    _replicate,
-    replicate,
-)
+from torchdp.parallel_apply import parallel_apply, record_function
+from torchdp.replicate import _bucket_bytes, _check_module, _replicate, replicate
 from torchdp.scatter_gather import gather, scatter_kwargs
 
 __all__ = ["DataParallel", "data_parallel"]
@@ -55,107 +47,6 @@ _TorchDataParallel = importlib.import_module("torch.nn.parallel.data_parallel").
 
 
 _API = "torchdp.DataParallel"
-
-
-def _nonempty(inputs: Sequence[Any], kwargs: Sequence[Any] | None) -> tuple[Any, Any]:
-    """Scattered chunks; a call without arguments runs once, on the first device."""
-    if kwargs is None:
-        kwargs = tuple({} for _ in inputs)
-    if not inputs and not kwargs:
-        return ((),), ({},)
-    return inputs, kwargs
-
-
-def _run_replicated(
-    module: nn.Module,
-    replicate_fn: Callable[[], Sequence[nn.Module]],
-    apply_fn: Callable[[Sequence[nn.Module]], list[Any]],
-    gather_fn: Callable[[list[Any]], Any],
-    cache_fn: Callable[[], Any],
-) -> Any:
-    """replicate, parallel_apply, gather; a failure writes the module's buffers back (Note
-    [Buffers of failed forwards])."""
-    buffers = None
-    _expect_buffer_snapshot(module)
-    try:
-        try:
-            replicas = replicate_fn()
-        finally:
-            buffers = _buffer_snapshot(module, fallback=True)
-        try:
-            with _C.EnclosingForward(buffers):  # Note [Nested forwards]
-                outputs = apply_fn(replicas)
-        finally:
-            # Note [Kept replicas]: taken back only when nothing else holds them.
-            del replicas
-            cache = cache_fn()
-            if cache is not None:
-                cache.park()
-        return gather_fn(outputs)
-    except BaseException:
-        if buffers is not None:
-            buffers.restore()
-        raise
-    finally:
-        if buffers is not None:
-            buffers.release()
-
-
-def _tensor_sizes(obj: Any, path: str, dim: int, out: list[tuple[str, int]]) -> None:
-    """(path, size along dim) of the tensors that scatter splits (Note [The Python tree])."""
-    leaves: list[tuple[str, Any]] = []
-    _tree.paths(obj, path, leaves)
-    for where, leaf in leaves:
-        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
-            out.append((where, leaf.shape[dim] if -leaf.dim() <= dim < leaf.dim() else 0))
-
-
-def _padding(chunks: Sequence[Any], side: type) -> int:
-    """How many of scatter_kwargs's chunks at the end are its padding (``()`` or ``{}``)."""
-    count = 0
-    for chunk in reversed(chunks):
-        if not (isinstance(chunk, side) and len(chunk) == 0):
-            break
-        count += 1
-    return count
-
-
-def _check_chunks(
-    inputs: tuple[Any, ...],
-    kwargs: dict[str, Any] | None,
-    chunks: Sequence[Any],
-    chunk_kwargs: Sequence[Any],
-    n: int,
-    dim: int,
-    api: str,
-) -> tuple[Sequence[Any], Sequence[Any]]:
-    """PyTorch's parallel_apply assertion for keyword chunks that outnumber the positional ones,
-    with its cause; then _C.check_chunks: a short tensor must not make scatter drop rows.
-
-    Returns the chunks to run: where one side split into more chunks than the other only through
-    tensors of one row per device (Note [Per-replica rows]), scatter_kwargs padded the other side
-    with empty chunks; the replicas that would get them do not run."""
-    if len(chunk_kwargs) != len(chunks):
-        raise AssertionError(
-            f"The number of modules {len(chunks)} is not equal to the number of "
-            f"kwargs_tup {len(chunk_kwargs)}: the keyword arguments split into "
-            f"{len(chunk_kwargs)} chunks along dim {dim} and the positional ones "
-            f"into {len(chunks)}; give keyword tensors the same batch size as the "
-            "positional inputs along that dim"
-        )
-    if inputs and kwargs:
-        padding = max(_padding(chunks, tuple), _padding(chunk_kwargs, dict))
-        if padding:
-            chunks, chunk_kwargs = chunks[:-padding], chunk_kwargs[:-padding]
-    if len(chunks) >= n:
-        return chunks, chunk_kwargs
-    sizes: list[tuple[str, int]] = []
-    for i, item in enumerate(inputs):
-        _tensor_sizes(item, f"positional argument {i}", dim, sizes)
-    for key, item in (kwargs or {}).items():
-        _tensor_sizes(item, f"keyword argument {key!r}", dim, sizes)
-    _C.check_chunks(sizes, len(chunks), n, dim, api)
-    return chunks, chunk_kwargs
 
 
 def _indices(
@@ -175,42 +66,6 @@ def _indices(
     return ids, output
 
 
-def _running_ids(
-    device_ids: Sequence[Any], shares: Any, inputs: Sequence[Any], kwargs: Sequence[Any]
-) -> list[Any]:
-    """The devices of the replicas that run: the first ``len(inputs)``; with shares, those whose
-    chunk got rows, wherever they are in the list (Note [Uneven shares]): each chunk's tensors
-    are on its device."""
-    n = len(inputs)
-    if shares is None or n >= len(device_ids):
-        return list(device_ids[:n])
-    ids: list[Any] = []
-    for i, chunk in enumerate(inputs):
-        found = get_a_var((chunk, kwargs[i] if i < len(kwargs) else None))
-        if found is None:
-            return list(device_ids[:n])
-        ids.append(found.device)
-    return ids
-
-
-def _check_cuda_graphs(cuda_graphs: Any) -> int:
-    """0 (off) or the number of input signatures to capture (True: MAX_SIGNATURES)."""
-    if cuda_graphs is True:
-        return MAX_SIGNATURES
-    if (
-        cuda_graphs is False
-        or cuda_graphs is None
-        or (type(cuda_graphs) is int and cuda_graphs == 0)
-    ):
-        return 0
-    if isinstance(cuda_graphs, int) and cuda_graphs > 0:
-        return cuda_graphs
-    raise ValueError(
-        f"{_API}: cuda_graphs must be True, False or a positive number of input "
-        f"signatures to capture, got {cuda_graphs!r}"
-    )
-
-
 # Per-wrapper state kept outside the module, so that copying or pickling the wrapper never meets
 # CUDA graphs, process groups or kept replicas; data_parallel() keeps its caches per module.
 _GRAPHED: weakref.WeakKeyDictionary[nn.Module, GraphedReplicas] = weakref.WeakKeyDictionary()
@@ -222,24 +77,9 @@ _FUNCTIONAL_CACHES: weakref.WeakKeyDictionary[nn.Module, _C.ReplicaCache] = (
     weakref.WeakKeyDictionary()
 )
 
-V = TypeVar("V")
 
-
-def _unchanged(outputs: V) -> V:
+def _unchanged(outputs: Any) -> Any:
     return outputs
-
-
-def _weak_entry(
-    table: weakref.WeakKeyDictionary[nn.Module, V], key: nn.Module, make: Callable[[], V] | None
-) -> V | None:
-    """``table[key]``, made with ``make()`` when missing; ``None`` for an unhashable module."""
-    try:
-        value = table.get(key)
-        if value is None and make is not None:
-            value = table[key] = make()
-        return value
-    except TypeError:
-        return None
 
 
 _warned_ignored_device_ids = False
@@ -410,7 +250,7 @@ class DataParallel(_TorchDataParallel[T]):
         _bucket_bytes(bucket_cap_mb, _API)  # checked now, not at the forward
         self.bucket_cap_mb = bucket_cap_mb
         self.stale_attributes = check_stale_attribute_policy(stale_attributes, _API)
-        self.cuda_graphs = _check_cuda_graphs(cuda_graphs)
+        self.cuda_graphs = check_cuda_graphs(cuda_graphs, _API)
         if shares is not None and self.cuda_graphs:
             raise ValueError(
                 f"{_API}: shares and cuda_graphs cannot be combined (a graph is captured for "
@@ -552,7 +392,7 @@ class DataParallel(_TorchDataParallel[T]):
             n = len(self.device_ids)
             if n > 1:
                 _C.check_forward_context(_API)
-            chunks, chunk_kwargs = _nonempty(*self.scatter(inputs, kwargs, self.device_ids))
+            chunks, chunk_kwargs = _step.nonempty(*self.scatter(inputs, kwargs, self.device_ids))
             graphed = self.cuda_graphs and method is None  # methods run eagerly
             outputs = self._graphed_outputs(chunks, chunk_kwargs) if graphed else None
             if outputs is not None:
@@ -562,7 +402,7 @@ class DataParallel(_TorchDataParallel[T]):
             if n == 1:
                 call = _compile.compiled(_methods.bound(self.module, method))
                 return watch(self._one_output(call(*chunks[0], **chunk_kwargs[0])))
-            chunks, chunk_kwargs = _check_chunks(
+            chunks, chunk_kwargs = _step.check_chunks(
                 inputs,
                 kwargs,
                 chunks,
@@ -571,16 +411,16 @@ class DataParallel(_TorchDataParallel[T]):
                 self.dim,
                 _API,
             )
-            ids = _running_ids(self.device_ids, self.shares, chunks, chunk_kwargs)
+            ids = _step.running_ids(self.device_ids, self.shares, chunks, chunk_kwargs)
             return watch(
-                _run_replicated(
+                _step.run_replicated(
                     self.module,
                     lambda: self.replicate(self.module, ids),
                     lambda replicas: self.parallel_apply(
                         _methods.bound_replicas(replicas, method), chunks, chunk_kwargs
                     ),
                     lambda outputs: self._gathered(outputs, pad_value),
-                    lambda: _weak_entry(_REPLICA_CACHES, self, None),
+                    lambda: _step.weak_entry(_REPLICA_CACHES, self, None),
                 )
             )
 
@@ -696,7 +536,7 @@ class DataParallel(_TorchDataParallel[T]):
         """Replicates :attr:`module` on :attr:`device_ids` (detached under ``torch.no_grad()``)."""
         detach = not torch.is_grad_enabled()
         if self.cache_replicas and module is self.module:
-            cache = _weak_entry(_REPLICA_CACHES, self, _C.ReplicaCache)
+            cache = _step.weak_entry(_REPLICA_CACHES, self, _C.ReplicaCache)
             return _replicate(
                 module,
                 device_ids,
@@ -742,8 +582,8 @@ class DataParallel(_TorchDataParallel[T]):
             replicas,
             inputs,
             kwargs,
-            _running_ids(self.device_ids, self.shares, inputs, kwargs or ())[: len(replicas)],
-            serial=self.serial_forward or _first_compiled_call(self.module, inputs, kwargs),
+            _step.running_ids(self.device_ids, self.shares, inputs, kwargs or ())[: len(replicas)],
+            serial=self.serial_forward or _step.first_compiled_call(self.module, inputs, kwargs),
         )
 
     def gather(self, outputs: Any, output_device: int | torch.device) -> Any:
@@ -756,52 +596,6 @@ class DataParallel(_TorchDataParallel[T]):
             pad_value=_methods.PAD_VALUE.get(),
             samples=bool(self.samples),
         )
-
-
-# Input signatures of a compiled module whose first call runs the replicas in order (dynamo's
-# default recompile limit), and those seen so far per module.
-_COMPILED_SIGNATURES = 8
-_signatures_seen: weakref.WeakKeyDictionary[nn.Module, set[Any]] = weakref.WeakKeyDictionary()
-
-
-def _first_compiled_call(module: nn.Module, inputs: Sequence[Any], kwargs: Any) -> bool:
-    """True the first time a compiled ``module`` meets this signature: replicas compiling it
-    together on the workers would each compile it and use up dynamo's recompile limit."""
-    if "torch._dynamo" not in sys.modules:
-        return False
-    seen = _weak_entry(_signatures_seen, module, set)
-    # None: an unhashable module, which named_modules() cannot walk either.
-    if seen is None or len(seen) >= _COMPILED_SIGNATURES:
-        return False
-    wrapper = _compile.callback()  # torch.compile of the wrapper: its own cache entries
-    grad = torch.is_grad_enabled()
-    key = (_signature(inputs), _signature(kwargs), module.training, grad, id(wrapper))
-    if key in seen:
-        return False
-    seen.add(key)
-    return wrapper is not None or _holds_compiled(module)
-
-
-def _signature(value: Any) -> Any:
-    """What a compiled call is specialised on: structure (Note [The Python tree]), tensor
-    metadata, the other leaves' types."""
-    leaves, spec = _tree.flatten(value)
-    return (
-        None if spec is None else spec.key(),
-        tuple(
-            (tuple(v.shape), v.dtype, v.device) if isinstance(v, torch.Tensor) else type(v)
-            for v in leaves
-        ),
-    )
-
-
-def _holds_compiled(module: nn.Module) -> bool:
-    """Whether ``module`` or a submodule is compiled (torch.compile or ``module.compile()``)."""
-    optimized = getattr(sys.modules.get("torch._dynamo.eval_frame"), "OptimizedModule", ())
-    return any(
-        isinstance(m, optimized) or m.__dict__.get("_compiled_call_impl") is not None
-        for m in module.modules()
-    )
 
 
 def data_parallel(
@@ -879,12 +673,12 @@ def data_parallel(
         _C.check_forward_context(api)
         if not samples:
             _samples.check_batch_lists(inputs, module_kwargs, len(used_ids), dim, api)
-    chunks, chunk_kwargs = _nonempty(
+    chunks, chunk_kwargs = _step.nonempty(
         *scatter_kwargs(inputs, module_kwargs, used_ids, dim, shares=checked, samples=samples)
     )
     if len(used_ids) == 1:
         return module(*chunks[0], **chunk_kwargs[0])
-    chunks, chunk_kwargs = _check_chunks(
+    chunks, chunk_kwargs = _step.check_chunks(
         inputs,
         module_kwargs,
         chunks,
@@ -893,8 +687,10 @@ def data_parallel(
         dim,
         api,
     )
-    used = _running_ids(used_ids, checked, chunks, chunk_kwargs)
-    cache = _weak_entry(_FUNCTIONAL_CACHES, module, _C.ReplicaCache) if cache_replicas else None
+    used = _step.running_ids(used_ids, checked, chunks, chunk_kwargs)
+    cache = (
+        _step.weak_entry(_FUNCTIONAL_CACHES, module, _C.ReplicaCache) if cache_replicas else None
+    )
 
     def replicate_fn() -> list[nn.Module]:
         if cache is not None:
@@ -905,8 +701,8 @@ def data_parallel(
             return replicate(module, used)
         return replicate(module, used, stale_attributes=stale_attributes)
 
-    serial = _first_compiled_call(module, chunks, chunk_kwargs)
-    return _run_replicated(
+    serial = _step.first_compiled_call(module, chunks, chunk_kwargs)
+    return _step.run_replicated(
         module,
         replicate_fn,
         lambda replicas: parallel_apply(replicas, chunks, chunk_kwargs, used, serial=serial),
