@@ -211,10 +211,23 @@ class Results:
         return write_json(path, {"machine": machine_info(), **extra, "records": self.records})
 
 
+def dumps(data: dict[str, Any]) -> str:
+    """A results file's text: one line per top-level key and one per record, so that a results
+    file stays short and a new run's diff reads record by record."""
+    lines = [
+        f" {json.dumps(key)}: {json.dumps(value)}"
+        for key, value in data.items()
+        if key != "records"
+    ]
+    records = ",\n".join(f"  {json.dumps(r)}" for r in data.get("records", []))
+    lines.append(f' "records": [\n{records}\n ]' if records else ' "records": []')
+    return "{\n" + ",\n".join(lines) + "\n}\n"
+
+
 def write_json(path: str | os.PathLike[str], data: dict[str, Any]) -> Path:
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(data, indent=1) + "\n")
+    out.write_text(dumps(data))
     progress(f"wrote {len(data.get('records', []))} records to {out}")
     return out
 
