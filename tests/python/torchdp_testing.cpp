@@ -88,7 +88,7 @@ c10::IValue to_ivalue(const pybind11::handle& value) {
     return items;
   }
   throw pybind11::type_error("torchdp_testing: no IValue for a " +
-                             pybind11::str(value.get_type()).cast<std::string>());
+                             pybind11::str(pybind11::type::handle_of(value)).cast<std::string>());
 }
 
 } // namespace
